@@ -1,0 +1,77 @@
+"""ServerArgs: every setting of sluice, in one frozen dataclass.
+
+argparse is built from the dataclass fields (their defaults and `help` metadata), so a setting is
+declared once. "auto" values (0 or "auto") are resolved once at start-up by `resolve`, which
+logs each resolved value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # model
+    model_path: str | None = _opt(
+        None, "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)"
+    )
+    served_model_name: str | None = _opt(None, "model id reported by the API (default: derived)")
+    context_length: int = _opt(0, "maximum tokens per request, prompt plus output (0: model's)")
+    dtype: str = _opt("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
+    device: str = _opt("auto", "auto | cpu | cuda")
+    num_threads: int = _opt(0, "compute threads of the scheduler (0: the cores available)")
+    random_seed: int = _opt(0, "seed for requests that do not give one")
+
+    # memory
+    max_total_tokens: int = _opt(0, "size of the KV pool in tokens (0: from --mem-fraction)")
+    mem_fraction: float = _opt(0.25, "fraction of free memory given to the KV pool")
+    max_running_requests: int = _opt(0, "concurrent requests in the running batch (0: auto)")
+    disable_radix_cache: bool = _opt(False, "turn off prefix reuse through the radix cache")
+
+    # scheduling
+    max_prefill_tokens: int = _opt(4096, "tokens in one prefill batch")
+    chunked_prefill_size: int = _opt(1024, "longest prefill chunk of one request (0: no chunking)")
+    schedule_policy: str = _opt("fcfs", "fcfs | lpm (longest prefix match first)")
+    check_invariants: bool = _opt(False, "check the KV pool invariant whenever the scheduler idles")
+
+    # serving
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(30000, "port to listen on")
+    api_key: str | None = _opt(None, "require this key as a Bearer token")
+    stream_interval: int = _opt(1, "tokens per streamed update")
+    log_level: str = _opt("info", "debug | info | warning | error")
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def build_parser(prog: str = "sluice serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a language model behind an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
+    return parser
+
+
+def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})

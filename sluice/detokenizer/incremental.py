@@ -1,0 +1,232 @@
+"""Incremental detokenization of one request's output ids.
+
+Each `add` decodes only a short window of ids: `ids[surr:]` against its context `ids[surr:read]`
+(the "prefix offset / read offset" technique), so leading spaces and BPE merges come out as in
+the full text while the work per token stays bounded by the window length.
+
+Two layers of holding back, each releasing text only once it is final:
+- decoding: text whose last character is still incomplete (U+FFFD at the end) waits for the ids
+  that complete it;
+- stop strings: a suffix that could be the start of a stop string waits until it is known not
+  to be one. Once a stop string appears, the text is cut there and nothing more is emitted.
+
+Guarantee: for a tokenizer whose decode of a longer id list extends the decode of a shorter one
+at character boundaries (byte-level BPE, SentencePiece), the increments concatenated equal the
+text of one `add` with all ids and the same finish, however the ids are split into chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sluice.messages import FinishReason
+
+DecodeFn = Callable[[list[int]], str]
+
+_REPLACEMENT = "\ufffd"
+# ids kept in front of the unread ones when the window is re-based
+_CONTEXT_LEN = 4
+# the window ids[surr:read] is re-based once it grows past this many ids
+_MAX_WINDOW_LEN = 16
+# a held tail at least this long cannot be one incomplete character: search it for a final prefix
+_MAX_INCOMPLETE_LEN = 4
+# how many token boundaries that search tries, and the held length past which all is emitted
+_MAX_SCAN_LEN = 8
+_MAX_HELD_LEN = 64
+
+
+def make_decode_fn(
+    tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool
+) -> DecodeFn:
+    """ids -> text, equal to `tokenizer.decode` with these flags.
+
+    Calls the Rust tokenizer directly when transformers would add nothing to it (a fast
+    tokenizer without clean-up of tokenization spaces): that halves the cost per call.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _is_plain_fast(tokenizer):
+
+        def decode_fast(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        return decode_fast
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(
+            ids,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
+
+    return decode
+
+
+def _is_plain_fast(tokenizer: Any) -> bool:
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    )
+
+
+class IncrementalDetokenizer:
+    """Per-request state. Turns a growing list of output token ids into text increments.
+
+    Invariants: `0 <= _surr <= _read <= len(output_ids)`; `_ctx_len == len(decode(ids[surr:read]))`;
+    the decoded text of `ids[:read]` is `text + _unsent` (before any stop cut), and no stop
+    string can start inside `text`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop_strings: Sequence[str] = (),
+        no_stop_trim: bool = False,
+        decode_fn: DecodeFn | None = None,
+    ) -> None:
+        self._decode = decode_fn or make_decode_fn(
+            tokenizer, skip_special_tokens, spaces_between_special_tokens
+        )
+        self._stop_strings = tuple(s for s in stop_strings if s)
+        self._no_stop_trim = no_stop_trim
+        self.output_ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self._surr = 0
+        self._read = 0
+        self._ctx_len = 0
+        self._unsent = ""  # decoded, final, held back for the stop-string check
+        self.is_stopped = False  # a stop string was found; later ids produce no text
+
+    def add(self, new_ids: list[int], finish: FinishReason | None) -> str:
+        """Appends `new_ids`; returns the new text that is now safe to emit.
+
+        With `finish` set, everything left is flushed (minus stop trimming).
+        """
+        self.output_ids.extend(new_ids)
+        if self.is_stopped:
+            return ""
+        is_final = finish is not None
+        self._unsent += self._decode_step(self._decode_end(finish), is_final)
+        out = self._release(is_final, self._stops_for(finish))
+        self.text += out
+        return out
+
+    def _decode_end(self, finish: FinishReason | None) -> int:
+        """End of the ids to decode: a matched stop token is left out unless `no_stop_trim`."""
+        end = len(self.output_ids)
+        if (
+            finish is not None
+            and finish.type == "stop"
+            and isinstance(finish.matched, int)
+            and not self._no_stop_trim
+            and end > self._read
+            and self.output_ids[-1] == finish.matched
+        ):
+            return end - 1
+        return end
+
+    def _stops_for(self, finish: FinishReason | None) -> tuple[str, ...]:
+        matched = finish.matched if finish is not None and finish.type == "stop" else None
+        if isinstance(matched, str) and matched and matched not in self._stop_strings:
+            return (*self._stop_strings, matched)
+        return self._stop_strings
+
+    def _decode_step(self, end: int, is_final: bool) -> str:
+        """Decodes `ids[read:end]`; returns the part of it whose text is final."""
+        if end <= self._read:
+            return ""
+        full = self._decode(self.output_ids[self._surr : end])
+        if is_final or not full.endswith(_REPLACEMENT):
+            return self._advance(full, end)
+        held_len = end - self._read
+        if held_len < _MAX_INCOMPLETE_LEN:
+            return ""  # the last character may still be completed by the next ids
+        new_text = self._advance_to_final_prefix(full, end)
+        if self._read < end - _MAX_HELD_LEN:  # never resolves: ids without text
+            new_text += self._advance(self._decode(self.output_ids[self._surr : end]), end)
+        return new_text
+
+    def _advance(self, window_text: str, read: int) -> str:
+        """Moves the read offset to `read`; `window_text` is the final decode of ids[surr:read]."""
+        new_text = window_text[self._ctx_len :]
+        self._read = read
+        if read - self._surr > _MAX_WINDOW_LEN:
+            self._rebase(read)
+        else:
+            self._ctx_len = len(window_text)
+        return new_text
+
+    def _rebase(self, read: int) -> None:
+        """Starts the window a few ids before `read`, at the start of a character if one of the
+        next few ids is one (byte-fallback decoders garble a whole byte run cut in the middle)."""
+        for surr in range(read - _CONTEXT_LEN, read - _CONTEXT_LEN - _MAX_INCOMPLETE_LEN, -1):
+            context = self._decode(self.output_ids[surr:read])
+            if not context.startswith(_REPLACEMENT):
+                break
+        self._surr = surr
+        self._ctx_len = len(context)
+
+    def _advance_to_final_prefix(self, full: str, end: int) -> str:
+        """The held ids are longer than any character: emits up to the last token boundary whose
+        text is final. A boundary is final when the window's text there ends with a complete
+        character, or is a prefix of `full` followed by a valid character (the ids after it
+        have then decided how its last bytes decode). Returns "" and keeps the offsets when no
+        tried boundary is final."""
+        for k in range(end - 1, max(self._read, end - _MAX_SCAN_LEN), -1):
+            text = self._decode(self.output_ids[self._surr : k])
+            if not text.endswith(_REPLACEMENT) or (
+                full.startswith(text) and full[len(text) :].strip(_REPLACEMENT)
+            ):
+                return self._advance(text, k)
+        return ""
+
+    def _release(self, is_final: bool, stops: tuple[str, ...]) -> str:
+        """Takes from `_unsent` what may be emitted; keeps a possible stop-string start."""
+        unsent = self._unsent
+        if not stops:
+            self._unsent = ""
+            return unsent
+        cut = find_stop(unsent, stops, self._no_stop_trim)
+        if cut is not None:
+            self.is_stopped = True
+            self._unsent = ""
+            return unsent[:cut]
+        keep = len(unsent) if is_final else len(unsent) - stop_prefix_len(unsent, stops)
+        self._unsent = unsent[keep:]
+        return unsent[:keep]
+
+
+def find_stop(text: str, stops: Sequence[str], keep_stop: bool) -> int | None:
+    """Where to cut `text` at its first stop string, or None when it holds none.
+
+    "First" is the match that ends earliest (where generation would have stopped); on a tie the
+    longer one. The cut is at its start, or its end when `keep_stop`.
+    """
+    best: tuple[int, int] | None = None  # (end, start)
+    for stop in stops:
+        start = text.find(stop)
+        if start >= 0:
+            candidate = (start + len(stop), start)
+            if best is None or candidate < best:
+                best = candidate
+    if best is None:
+        return None
+    return best[0] if keep_stop else best[1]
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:k]):
+                held = k
+                break
+    return held

@@ -1,0 +1,66 @@
+"""DetokenizerManager: owns the incremental detokenization state of every live request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.detokenizer.incremental import DecodeFn, IncrementalDetokenizer, make_decode_fn
+from sluice.messages import BatchStrOutput, BatchTokenIDOutput
+
+
+class DetokenizerManager:
+    """Turns scheduler token-id batches into text batches.
+
+    Ownership: one `IncrementalDetokenizer` per rid, created on the rid's first update and
+    dropped on its finishing update or on `abort`, so a finished request leaves no state here.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._states: dict[str, IncrementalDetokenizer] = {}
+        # one decode function per (skip_special_tokens, spaces_between_special_tokens)
+        self._decode_fns: dict[tuple[bool, bool], DecodeFn] = {}
+
+    def handle(self, out: BatchTokenIDOutput) -> BatchStrOutput:
+        """Detokenizes one update; every field but the texts passes through unchanged."""
+        texts = []
+        for i, rid in enumerate(out.rids):
+            state = self._states.get(rid) or self._new_state(rid, out, i)
+            finish = out.finished_reasons[i]
+            texts.append(state.add(out.new_token_ids[i], finish))
+            if finish is not None:
+                del self._states[rid]
+        return BatchStrOutput(
+            rids=out.rids,
+            texts=texts,
+            new_token_ids=out.new_token_ids,
+            finished_reasons=out.finished_reasons,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            output_token_logprobs=out.output_token_logprobs,
+            output_top_logprobs=out.output_top_logprobs,
+            input_token_logprobs=out.input_token_logprobs,
+            input_top_logprobs=out.input_top_logprobs,
+        )
+
+    def abort(self, rid: str) -> None:
+        self._states.pop(rid, None)
+
+    def num_states(self) -> int:
+        return len(self._states)
+
+    def _new_state(self, rid: str, out: BatchTokenIDOutput, i: int) -> IncrementalDetokenizer:
+        flags = (out.skip_special_tokens[i], out.spaces_between_special_tokens[i])
+        decode_fn = self._decode_fns.get(flags)
+        if decode_fn is None:
+            decode_fn = make_decode_fn(self._tokenizer, *flags)
+            self._decode_fns[flags] = decode_fn
+        state = IncrementalDetokenizer(
+            self._tokenizer,
+            stop_strings=out.stop_strings[i],
+            no_stop_trim=out.no_stop_trim[i],
+            decode_fn=decode_fn,
+        )
+        self._states[rid] = state
+        return state

@@ -1,0 +1,96 @@
+"""The detokenizer process: token-id batches from the scheduler become text batches for the
+TokenizerManager. It loads only the tokenizer (no model, no compute threads).
+
+Everything else arriving here is passed on in order: control replies of the scheduler (the
+internal-state reply gets this process's state count added), so a reply never overtakes the
+text of the outputs the scheduler sent before it. An AbortReq from the TokenizerManager drops
+the rid's decode state (the scheduler's abort finish would drop it too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Any
+
+import zmq
+
+from sluice.messages import (
+    AbortReq,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    FinishReason,
+    InternalStateReply,
+    ReadyMsg,
+)
+from sluice.utils import ipc
+
+logger = logging.getLogger(__name__)
+
+PROCESS_TITLE = "sluice::detokenizer"
+
+
+def run_detokenizer_process(hf_dir: str, log_level: str, addrs: ipc.IpcAddrs, ready_conn: Any) -> None:
+    # set before torch can be imported (transformers imports it): no compute thread pools here
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    ipc.setup_child_process(PROCESS_TITLE, log_level)
+    try:
+        loop = DetokenizerLoop(hf_dir, addrs)
+    except BaseException:
+        ipc.report_ready(ready_conn, ReadyMsg("detokenizer", error=traceback.format_exc()))
+        raise SystemExit(1) from None
+    ipc.report_ready(ready_conn, ReadyMsg("detokenizer"))
+    loop.run_forever()
+
+
+class DetokenizerLoop:
+    def __init__(self, hf_dir: str, addrs: ipc.IpcAddrs) -> None:
+        from sluice.detokenizer.manager import DetokenizerManager
+        from sluice.utils.tokenizer import get_tokenizer
+
+        self.manager = DetokenizerManager(get_tokenizer(hf_dir))
+        self.ctx = zmq.Context()
+        self.recv_sock = ipc.pull_socket(self.ctx, addrs.detokenizer_in)
+        self.send_sock = ipc.push_socket(self.ctx, addrs.tokenizer_in)
+
+    def run_forever(self) -> None:
+        while True:
+            self.handle(self.recv_sock.recv_multipart())
+
+    def handle(self, frames: list[bytes]) -> None:
+        try:
+            msg = ipc.decode(frames)
+        except ValueError as e:
+            logger.error("dropped a message: %s", e)
+            return
+        if isinstance(msg, BatchTokenIDOutput):
+            ipc.send(self.send_sock, self._detokenize(msg))
+        elif isinstance(msg, AbortReq):
+            self.manager.abort(msg.rid)
+        elif isinstance(msg, InternalStateReply):
+            msg.num_detokenizer_states = self.manager.num_states()
+            ipc.send(self.send_sock, msg)
+        else:
+            ipc.send(self.send_sock, msg)
+
+    def _detokenize(self, out: BatchTokenIDOutput) -> BatchStrOutput:
+        try:
+            return self.manager.handle(out)
+        except Exception as e:  # fail this batch's requests, keep serving the others
+            logger.exception("detokenizing a batch of %d requests failed", len(out.rids))
+            return _failed_batch(out, f"detokenization failed: {e}")
+
+
+def _failed_batch(out: BatchTokenIDOutput, message: str) -> BatchStrOutput:
+    reason = FinishReason(type="abort", message=message, status_code=500, code="internal_error")
+    n = len(out.rids)
+    return BatchStrOutput(
+        rids=out.rids, texts=[""] * n, new_token_ids=out.new_token_ids,
+        finished_reasons=[reason] * n, prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+        output_token_logprobs=out.output_token_logprobs,
+        output_top_logprobs=out.output_top_logprobs,
+        input_token_logprobs=out.input_token_logprobs, input_top_logprobs=out.input_top_logprobs,
+    )  # fmt: skip

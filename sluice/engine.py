@@ -1,0 +1,148 @@
+"""Engine: the scheduler, in-process, for offline batch use and tests.
+
+It runs the same Scheduler and DetokenizerManager code as the server, without processes or
+sockets: `generate` tokenizes, hands TokenizedGenerateReqInput messages to the scheduler, steps it
+until its requests finish, and detokenizes the BatchTokenIDOutput it emits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import msgspec
+import torch
+
+from sluice.config import ServerArgs
+from sluice.detokenizer.manager import DetokenizerManager
+from sluice.messages import AbortReq, BatchStrOutput, SamplingParams, TokenizedGenerateReqInput
+from sluice.model.loader import load_model_config
+from sluice.scheduler.resources import resolve_resources
+from sluice.scheduler.scheduler import Scheduler
+from sluice.utils.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+def parse_sampling_params(params: dict[str, Any] | None) -> SamplingParams:
+    """A SamplingParams from a plain dict (unknown keys are an error, as are wrong types)."""
+    params = dict(params or {})
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    if params.get("logit_bias"):
+        params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
+    return msgspec.convert(params, SamplingParams, strict=False)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
+        self.args = ServerArgs(model_path=model_path, **server_args)
+        self.model_config = load_model_config(self.args.model_path)
+        self.tokenizer = get_tokenizer(self.model_config.hf_dir)
+        self.resources = resolve_resources(self.args, self.model_config)
+        torch.set_num_threads(self.resources.num_threads)
+        self.scheduler = Scheduler(self.args, self.model_config, self.tokenizer, self.resources)
+        self.detokenizer = DetokenizerManager(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (a dict back) or a list of prompts (a list back).
+
+        A prompt is text or a list of token ids; `sampling_params` is one dict for all prompts
+        or one per prompt.
+        """
+        prompts, single = self._normalize(prompt, input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        rids = []
+        for ids, p in zip(prompts, params, strict=True):
+            rid = f"engine-{next(self._ids)}"
+            rids.append(rid)
+            self.scheduler.add_request(
+                TokenizedGenerateReqInput(
+                    rid=rid, input_ids=ids, sampling_params=parse_sampling_params(p),
+                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num,
+                )
+            )  # fmt: skip
+        results = self._run_until_done(rids)
+        out = [results[r] for r in rids]
+        return out[0] if single else out
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(AbortReq(rid=rid))
+
+    def _normalize(
+        self, prompt: Prompt | list[Prompt] | None, input_ids: list[int] | list[list[int]] | None
+    ) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        items: Any = prompt if prompt is not None else input_ids
+        single = isinstance(items, str) or (bool(items) and isinstance(items[0], int))
+        items = [items] if single else list(items)
+        return [self._encode(x) for x in items], single
+
+    def _encode(self, p: Prompt) -> list[int]:
+        return self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+
+    def _run_until_done(self, rids: list[str]) -> dict[str, dict[str, Any]]:
+        results = {r: {"text": "", "output_ids": [], "meta_info": {"id": r}} for r in rids}
+        pending = set(rids)
+        while pending:
+            out = self.scheduler.step()
+            if out is None:
+                if not self.scheduler.has_work():
+                    raise RuntimeError(f"scheduler went idle with {len(pending)} requests pending")
+                continue
+            self._merge(self.detokenizer.handle(out), results, pending)
+        return results
+
+    @staticmethod
+    def _merge(out: BatchStrOutput, results: dict[str, dict[str, Any]], pending: set[str]) -> None:
+        for i, rid in enumerate(out.rids):
+            res = results.get(rid)
+            if res is None:
+                continue
+            res["text"] += out.texts[i]
+            res["output_ids"].extend(out.new_token_ids[i])
+            meta = res["meta_info"]
+            meta.update(
+                prompt_tokens=out.prompt_tokens[i], completion_tokens=out.completion_tokens[i],
+                cached_tokens=out.cached_tokens[i],
+            )  # fmt: skip
+            if out.output_token_logprobs[i]:
+                meta.setdefault("output_token_logprobs", []).extend(out.output_token_logprobs[i])
+                meta.setdefault("output_top_logprobs", []).extend(
+                    msgspec.to_builtins(out.output_top_logprobs[i])
+                )
+            if out.input_token_logprobs[i]:
+                meta.setdefault("input_token_logprobs", []).extend(out.input_token_logprobs[i])
+                meta.setdefault("input_top_logprobs", []).extend(
+                    msgspec.to_builtins(out.input_top_logprobs[i])
+                )
+            reason = out.finished_reasons[i]
+            if reason is not None:
+                meta["finish_reason"] = msgspec.to_builtins(reason)
+                pending.discard(rid)
+
+    def shutdown(self) -> None:
+        """Release the model and the KV pool."""
+        self.scheduler = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

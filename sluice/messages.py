@@ -1,0 +1,174 @@
+"""Messages that cross process boundaries, and nothing else does.
+
+Flat msgspec structs with no logic, encoded with msgpack over ZMQ. Token ids travel as plain
+integer lists. Single and batch requests are different types.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """Per-request sampling parameters, already validated by the TokenizerManager.
+
+    `max_new_tokens` is None only before the context limit is applied; the scheduler always
+    receives a concrete value.
+    """
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+class SessionParams(msgspec.Struct, omit_defaults=True):
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
+class TokenizedGenerateReqInput(msgspec.Struct, omit_defaults=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    input_text: str | None = None
+    return_logprob: bool = False
+    # first prompt position whose logprob is returned; -1: none of the prompt
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    session_params: SessionParams | None = None
+    # seconds; 0 means no per-request timeout
+    timeout: float = 0.0
+    # address of the TokenizerManager that owns this request (multi-worker routing)
+    reply_to: str = ""
+    created_time: float = 0.0
+
+
+class BatchTokenizedGenerateReqInput(msgspec.Struct):
+    reqs: list[TokenizedGenerateReqInput]
+
+
+class AbortReq(msgspec.Struct, omit_defaults=True):
+    rid: str = ""
+    abort_all: bool = False
+    reason: str = "client"
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """Why a request ended. type: "stop" | "length" | "abort".
+
+    For "stop", `matched` is the stop token id (int) or stop string (str) that matched, or None
+    for EOS. For "abort", `message`, `status_code` and `code` describe the error to return.
+    """
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+    status_code: int = 0
+    code: str | None = None
+
+
+class TopLogprobs(msgspec.Struct, array_like=True):
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class BatchTokenIDOutput(msgspec.Struct):
+    """Scheduler → detokenizer. Lists are parallel, one entry per request in this update.
+
+    `new_token_ids[i]` are the tokens produced since the previous update for `rids[i]`.
+    Logprob lists are empty unless the request asked for logprobs; they hold the entries for
+    `new_token_ids` only. `input_token_logprobs` is sent once, with the first update.
+    """
+
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    stop_strings: list[list[str]]
+    no_stop_trim: list[bool]
+    output_token_logprobs: list[list[float]]
+    output_top_logprobs: list[list[TopLogprobs]]
+    input_token_logprobs: list[list[float | None]]
+    input_top_logprobs: list[list[TopLogprobs | None]]
+    reply_to: list[str]
+
+
+class BatchStrOutput(msgspec.Struct):
+    """Detokenizer → TokenizerManager. `texts[i]` is the new text since the previous update."""
+
+    rids: list[str]
+    texts: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[list[float]]
+    output_top_logprobs: list[list[TopLogprobs]]
+    input_token_logprobs: list[list[float | None]]
+    input_top_logprobs: list[list[TopLogprobs | None]]
+
+
+class FlushCacheReq(msgspec.Struct):
+    pass
+
+
+class GetInternalStateReq(msgspec.Struct):
+    pass
+
+
+class InternalState(msgspec.Struct):
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_total: int
+    kv_free: int
+    kv_cached: int
+    kv_in_use: int
+    last_heartbeat: float
+
+
+class ReadyMsg(msgspec.Struct):
+    """A child process's start-up handshake."""
+
+    process: str
+    info: dict[str, int | float | str] = {}
+    error: str | None = None
+
+
+class InternalStateReply(msgspec.Struct):
+    """Scheduler → detokenizer → TokenizerManager, answering GetInternalStateReq.
+
+    The detokenizer fills `num_detokenizer_states` on the way through, so both figures describe
+    the same moment of the scheduler's output stream.
+    """
+
+    state: InternalState
+    num_detokenizer_states: int = 0
+
+
+class FlushCacheReply(msgspec.Struct):
+    """Scheduler → detokenizer → TokenizerManager, answering FlushCacheReq."""
+
+    success: bool

@@ -1,0 +1,111 @@
+"""ForwardBatch: the metadata of one model forward, built once per batch and passed down.
+
+The scheduler decides what to run; `ForwardBatch.build` turns that into tensors. Every layer
+reads the same metadata; nothing is stored on modules between calls.
+
+Attention runs on padded per-request views: queries [B, H, max_q, D] against keys gathered from
+the KV pool through `kv_indices` [B, max_kv]; `attn_mask` [B, 1, max_q, max_kv] marks what each
+query may see (its request's prefix and the causal part of its own extend).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = 1  # prefill (possibly one chunk, possibly on top of a cached prefix)
+    DECODE = 2  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T] int64, the new tokens of all requests, request-major
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot each new token writes
+    kv_indices: torch.Tensor  # [B, max_kv] int64, slots each request reads (0-padded)
+    attn_mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool; None: no padding at all
+    max_q: int
+    q_pad_index: torch.Tensor | None  # [B * max_q] -> index into T (EXTEND only)
+    q_unpad_index: torch.Tensor | None  # [T] -> index into B * max_q (EXTEND only)
+    logits_index: torch.Tensor  # [N] rows of T whose logits are computed
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: list[int],
+        logits_index: list[int],
+        device: torch.device,
+    ) -> ForwardBatch:
+        """prefix_lens[b]: tokens of request b already in the KV pool; extend_lens[b]: new tokens
+        (1 for DECODE). The new tokens' slots must already be written into `req_to_token`."""
+        bs = len(extend_lens)
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        max_kv, max_q = max(seq_lens), max(extend_lens)
+        rows = torch.tensor(req_pool_indices, dtype=torch.int64)
+        kv_indices = req_to_token[rows, :max_kv]
+        seq_t = torch.tensor(seq_lens, dtype=torch.int64)
+        positions = _positions(prefix_lens, extend_lens)
+        attn_mask = None
+        q_pad = q_unpad = None
+        if mode == ForwardMode.DECODE:
+            if min(seq_lens) != max_kv:
+                attn_mask = (torch.arange(max_kv) < seq_t[:, None]).view(bs, 1, 1, max_kv)
+        else:
+            ext_t = torch.tensor(extend_lens, dtype=torch.int64)
+            pre_t = torch.tensor(prefix_lens, dtype=torch.int64)
+            q_pos = torch.arange(max_q)
+            # query i of request b sits at position prefix_b + i and sees keys j <= that
+            attn_mask = torch.arange(max_kv)[None, None, :] <= (
+                pre_t[:, None, None] + q_pos[None, :, None]
+            )
+            valid_q = q_pos[None, :] < ext_t[:, None]  # [B, max_q]
+            # padded queries see only key 0, so their (discarded) softmax rows stay finite
+            attn_mask &= valid_q[:, :, None]
+            attn_mask[:, :, 0] |= ~valid_q
+            attn_mask = attn_mask.unsqueeze(1)
+            starts = torch.cumsum(ext_t, 0) - ext_t
+            q_pad = (starts[:, None] + q_pos[None, :]).clamp(max=max(len(input_ids) - 1, 0))
+            q_pad = torch.where(valid_q, q_pad, 0).view(-1)
+            q_unpad = (torch.arange(bs)[:, None] * max_q + q_pos[None, :])[valid_q]
+            if bs == 1 and prefix_lens[0] == 0:
+                attn_mask = None  # a single fresh prompt: plain causal attention
+        return cls(
+            mode=mode,
+            batch_size=bs,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            out_cache_loc=out_cache_loc.to(device),
+            kv_indices=kv_indices.to(device),
+            attn_mask=None if attn_mask is None else attn_mask.to(device),
+            max_q=max_q,
+            q_pad_index=None if q_pad is None else q_pad.to(device),
+            q_unpad_index=None if q_unpad is None else q_unpad.to(device),
+            logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def is_causal_single(self) -> bool:
+        return self.mode == ForwardMode.EXTEND and self.attn_mask is None
+
+
+def _positions(prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+    if all(e == 1 for e in extend_lens):
+        return torch.tensor(prefix_lens, dtype=torch.int64)
+    return torch.cat(
+        [
+            torch.arange(p, p + e, dtype=torch.int64)
+            for p, e in zip(prefix_lens, extend_lens, strict=True)
+        ]
+    )

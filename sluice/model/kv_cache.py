@@ -1,0 +1,46 @@
+"""KVCache: the K and V tensors of every layer, indexed by token slot.
+
+Slot 0 is a dummy slot that padding reads from; the scheduler's allocator hands out 1..size.
+Which slot belongs to whom is the scheduler's business (memory_pool, radix_cache); this class only
+stores and gathers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.size = size
+        shape = (size + 1, num_kv_heads, head_dim)  # [slots, Hkv, D]
+        # zeros (not empty): padded reads must never see NaN garbage
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc: [T], k/v: [T, Hkv, D]
+        self.k[layer].index_copy_(0, loc, k)
+        self.v[layer].index_copy_(0, loc, v)
+
+    def gather(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # indices: [B, L] -> [B, L, Hkv, D]
+        flat = indices.reshape(-1)
+        shape = (*indices.shape, *self.k[layer].shape[1:])
+        k = self.k[layer].index_select(0, flat).view(shape)
+        v = self.v[layer].index_select(0, flat).view(shape)
+        return k, v

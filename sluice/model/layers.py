@@ -1,0 +1,104 @@
+"""Building blocks shared by decoder models: RMSNorm, rotary embedding, paged attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.model.forward_batch import ForwardBatch, ForwardMode
+from sluice.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
+        t = torch.arange(max_pos, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # [max_pos, head_dim / 2]
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the pool, then attends over each request's slots."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:
+        # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]
+        kv.write(self.layer_id, fb.out_cache_loc, k, v)
+        bs, h, d = fb.batch_size, self.num_heads, self.head_dim
+        if fb.is_causal_single:
+            qp, kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out = self._sdpa(qp, kp, vp, None, causal=True)
+            return out.squeeze(0).transpose(0, 1).reshape(-1, h * d)
+        k_all, v_all = kv.gather(self.layer_id, fb.kv_indices)  # [B, max_kv, Hkv, D]
+        kp, vp = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, Hkv, max_kv, D]
+        if fb.mode == ForwardMode.DECODE:
+            qp = q.view(bs, 1, h, d).transpose(1, 2)  # [B, H, 1, D]
+            return self._sdpa(qp, kp, vp, fb.attn_mask, causal=False).reshape(bs, h * d)
+        qp = q[fb.q_pad_index].view(bs, fb.max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
+        out = self._sdpa(qp, kp, vp, fb.attn_mask, causal=False)  # [B, H, max_q, D]
+        out = out.transpose(1, 2).reshape(bs * fb.max_q, h * d)
+        return out[fb.q_unpad_index]
+
+    def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # fmt: skip

@@ -1,0 +1,173 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2 (attention biases), SmolLM2.
+
+Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up projections
+are fused into `qkv_proj` and `gate_up_proj` (one matmul each instead of three and two); the
+loader maps the checkpoint's separate tensors into their slices (`STACKED`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.model.forward_batch import ForwardBatch
+from sluice.model.kv_cache import KVCache
+from sluice.model.layers import PagedAttention, RMSNorm, RotaryEmbedding
+from sluice.model.model_config import ModelConfig
+
+# checkpoint name fragment -> (fused name fragment, shard index)
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.shard_sizes), bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rope = rope
+        self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        # x: [T, hidden]
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(fb.positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb, kv))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rope)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, rope) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(fb.input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, fb, kv)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Returns logits [N, vocab] for the rows in `fb.logits_index` only."""
+        hidden = self.model(fb, kv)
+        return self.lm_head(hidden[fb.logits_index])
+
+    def hidden_states(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] (for embeddings by last-token pooling)."""
+        return self.model(fb, kv)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            target, shard = _stacked_target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            if shard is None:
+                _copy(param, tensor, name)
+            else:
+                module = self.get_submodule(target.rsplit(".", 2)[0])
+                sizes = module.shard_sizes
+                start = sum(sizes[:shard])
+                _copy(param.narrow(0, start, sizes[shard]), tensor, name)
+            loaded.add(f"{target}#{shard}")
+        self._check_all_loaded(params, loaded)
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            if name.rsplit(".", 2)[-2] in ("qkv_proj", "gate_up_proj"):
+                n = 3 if "qkv" in name else 2
+                if any(f"{name}#{i}" not in loaded for i in range(n)):
+                    missing.append(name)
+            elif f"{name}#None" not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _stacked_target(name: str) -> tuple[str, int | None]:
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in STACKED:
+        fused, shard = STACKED[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), shard
+    return name, None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"shape mismatch for {name}: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}"
+        )
+    dst.copy_(src.to(dst.dtype))
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

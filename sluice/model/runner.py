@@ -1,0 +1,94 @@
+"""ModelRunner: owns the model weights and the KV tensors; runs one ForwardBatch at a time.
+
+Runs inside the scheduler process. It knows nothing of requests: the scheduler hands it a
+ForwardBatch and gets logits back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sluice.model.forward_batch import ForwardBatch
+from sluice.model.kv_cache import KVCache
+from sluice.model.loader import iter_hf_weights
+from sluice.model.model_config import ModelConfig
+from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """float32 on CPU (no fast bf16 matmul on most CPUs), bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_size: int
+    ) -> None:
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.model = load_model(cfg, device, dtype)
+        self.kv = KVCache(
+            kv_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+        )
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for the rows in `fb.logits_index`."""
+        return self.model(fb, self.kv).float()
+
+
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    if cfg.architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"architecture {cfg.architecture} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = ARCHITECTURES[cfg.architecture](cfg)
+    # materialize without running random initialisation, then fill from the checkpoint
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _init_buffers(model, cfg, device)
+    model.load_weights(iter_hf_weights(cfg.hf_dir))
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",
+        cfg.model_name, cfg.architecture, num_params / 1e6, str(dtype).removeprefix("torch."),
+        device, time.perf_counter() - start,
+    )  # fmt: skip
+    return model
+
+
+def _init_buffers(model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device) -> None:
+    """Non-persistent buffers (the rope table) are not in checkpoints: compute them for real."""
+    from sluice.model.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    ).to(device)
+    for layer in model.model.layers:
+        layer.self_attn.rope = rope

@@ -1,0 +1,309 @@
+"""Scheduler: continuous batching over a paged KV cache with a radix prefix cache.
+
+One `step()`:  process aborts → pick the next batch (a prefill if anything can be admitted,
+else one decode step of the running batch) → run it → process the results → emit outputs.
+
+Ownership: the scheduler owns every `Req` from intake to finish. A finished or aborted request
+goes through `_release` exactly once, which hands its KV to the radix cache (or frees it), drops
+its lock and its request row. At idle, every KV slot is free or held by the cache
+(`check_idle_invariant`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import torch
+
+from sluice.config import ServerArgs
+from sluice.messages import (
+    AbortReq,
+    BatchTokenIDOutput,
+    FinishReason,
+    InternalState,
+    TokenizedGenerateReqInput,
+)
+from sluice.model.model_config import ModelConfig
+from sluice.model.runner import ModelRunner
+from sluice.scheduler.batch import run_decode, run_prefill
+from sluice.scheduler.finish import FinishChecker
+from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sluice.scheduler.output import build_output
+from sluice.scheduler.prefill_adder import PrefillAdder, sort_waiting
+from sluice.scheduler.radix_cache import RadixCache
+from sluice.scheduler.req import Req
+from sluice.scheduler.resources import Resources
+
+logger = logging.getLogger(__name__)
+
+NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
+RETRACT_HEADROOM_STEPS = 16  # decode steps of room to make when retracting
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, tokenizer: Any, res: Resources) -> None:
+        self.args, self.cfg, self.res = args, cfg, res
+        self.context_len = res.context_len
+        self.runner = ModelRunner(cfg, res.device, res.dtype, res.max_total_tokens)
+        self.allocator = TokenToKVPoolAllocator(res.max_total_tokens)
+        self.req_pool = ReqToTokenPool(res.max_running_requests, self.context_len + 1)
+        self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
+        self.finish_checker = FinishChecker(tokenizer, self.context_len)
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.rng = random.Random(args.random_seed)
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.reqs: dict[str, Req] = {}  # every live request by rid
+        self.touched: list[Req] = []  # requests with something to report after this step
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        self.last_heartbeat = time.monotonic()
+        self.num_forward_steps = 0
+
+    # ---- intake -------------------------------------------------------------------------
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        req = self._build_req(msg)
+        error = self._validate(req)
+        if msg.rid in self.reqs:
+            error = f"a request with rid {msg.rid!r} is already running"
+            req.rid = msg.rid
+        if error is not None:
+            req.finished_reason = FinishReason(
+                type="abort", message=error, status_code=400, code="invalid_request"
+            )
+            self.touched.append(req)
+            return
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def _build_req(self, msg: TokenizedGenerateReqInput) -> Req:
+        p = msg.sampling_params
+        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
+        seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
+        if p.max_new_tokens is None:
+            p.max_new_tokens = max(self.context_len - len(msg.input_ids), 0)
+        return Req(
+            msg.rid, list(msg.input_ids), p, seed, stop_ids,
+            return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, reply_to=msg.reply_to,
+            timeout=msg.timeout,
+        )  # fmt: skip
+
+    def _validate(self, req: Req) -> str | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.cfg.vocab_size:
+            return f"token ids must be in [0, {self.cfg.vocab_size})"
+        if n + req.max_new_tokens > self.context_len:
+            return (
+                f"this model's maximum context length is {self.context_len} tokens; the request "
+                f"has {n} prompt tokens plus {req.max_new_tokens} max new tokens"
+            )
+        if n + req.max_new_tokens > self.allocator.size:
+            return (
+                f"the request needs {n + req.max_new_tokens} KV slots but the KV pool holds "
+                f"{self.allocator.size} (raise --max-total-tokens)"
+            )
+        return None
+
+    def abort(self, msg: AbortReq) -> None:
+        reason = FinishReason(
+            type="abort", message="the request was aborted", status_code=499, code="request_aborted"
+        )
+        rids = list(self.reqs) if msg.abort_all else [msg.rid]
+        for rid in rids:
+            req = self.reqs.get(rid)
+            if req is not None and req.to_abort is None:
+                req.to_abort = reason
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def step(self) -> BatchTokenIDOutput | None:
+        self.last_heartbeat = time.monotonic()
+        self._process_aborts()
+        if not self._step_prefill() and self.running:
+            self._step_decode()
+        if self.is_idle():
+            self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+            if self.args.check_invariants:
+                self.check_idle_invariant()
+        return self._take_outputs()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self.touched)
+
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req)
+
+    def _step_prefill(self) -> bool:
+        if not self.waiting and self.chunked_req is None:
+            return False
+        budget = self.args.chunked_prefill_size or self.args.max_prefill_tokens
+        adder = PrefillAdder(
+            self.allocator, self.req_pool, self.tree, self.running, self.res.max_running_requests,
+            budget, self.args.chunked_prefill_size, self.new_token_ratio,
+        )  # fmt: skip
+        if self.chunked_req is not None:
+            adder.add_chunked(self.chunked_req)
+        for req in sort_waiting(self.waiting, self.args.schedule_policy, self.tree):
+            if not adder.try_add(req):
+                break
+        if not adder.can_run:
+            return False
+        admitted = {id(r) for r in adder.can_run}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        self._ensure_free(sum(r.extend_len for r in adder.can_run))
+        run_prefill(self, adder.can_run)
+        self.num_forward_steps += 1
+        self.chunked_req = None
+        for req in adder.can_run:
+            if req.is_finished:
+                continue
+            self._cache_unfinished(req)
+            if req.is_chunked:
+                self.chunked_req = req
+            else:
+                self.running.append(req)
+        return True
+
+    def _step_decode(self) -> None:
+        self._make_room_for_decode()
+        run_decode(self, self.running)
+        self.num_forward_steps += 1
+        self.running = [r for r in self.running if not r.is_finished]
+        self.new_token_ratio = max(
+            NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+
+    # ---- per-request results (called by batch.run_*) --------------------------------------
+
+    def on_token(self, req: Req, token: int) -> None:
+        req.output_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        reason = self.finish_checker.check(req)
+        self.touched.append(req)
+        if reason is not None:
+            self.finish(req, reason)
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        req.finished_reason = reason
+        self._release(req)
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def _release(self, req: Req) -> None:
+        """Hand a request's KV to the cache (or free it) and drop its row and lock."""
+        if req.req_pool_idx is not None:
+            kv = req.committed_kv(self.req_pool.req_to_token)
+            fill = req.fill_ids[: req.kv_committed_len]
+            self.tree.cache_finished(fill, kv, req.cache_protected_len, req.last_node)
+            self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.last_node = None
+        self.reqs.pop(req.rid, None)
+
+    def _cache_unfinished(self, req: Req) -> None:
+        kv = req.committed_kv(self.req_pool.req_to_token)
+        fill = req.fill_ids[: req.kv_committed_len]
+        res = self.tree.cache_unfinished(fill, kv, req.cache_protected_len, req.last_node)
+        self.req_pool.req_to_token[req.req_pool_idx, : len(res.indices)] = res.indices
+        req.last_node, req.cache_protected_len = res.last_node, res.cache_protected_len
+
+    def _ensure_free(self, num: int) -> None:
+        short = num - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+
+    def alloc_slots(self, num: int) -> torch.Tensor:
+        self._ensure_free(num)
+        slots = self.allocator.alloc(num)
+        if slots is None:
+            raise RuntimeError(
+                f"KV pool exhausted: need {num}, free {self.allocator.available_size()}"
+            )
+        return slots
+
+    def _make_room_for_decode(self) -> None:
+        """Retract requests until the next decode step fits; keeps at least one running."""
+
+        def fits(extra: int) -> bool:
+            return self.allocator.available_size() + self.tree.evictable_size() >= extra
+
+        if fits(len(self.running)):
+            return
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        retracted = []
+        while len(self.running) > 1 and not fits(len(self.running) * RETRACT_HEADROOM_STEPS):
+            victim = order.pop(0)
+            self.running.remove(victim)
+            self._release(victim)
+            self.reqs[victim.rid] = victim
+            victim.reset_for_retract()
+            retracted.append(victim)
+        self.waiting = retracted + self.waiting
+        self.new_token_ratio = NEW_TOKEN_RATIO_INIT
+        logger.info(
+            "KV pool full: retracted %d requests (%d running, %d free slots)",
+            len(retracted), len(self.running), self.allocator.available_size(),
+        )  # fmt: skip
+
+    # ---- aborts and outputs ---------------------------------------------------------------
+
+    def _process_aborts(self) -> None:
+        if not any(r.to_abort for r in self.reqs.values()):
+            return
+        for req in [r for r in self.reqs.values() if r.to_abort is not None]:
+            self.waiting = [r for r in self.waiting if r is not req]
+            self.running = [r for r in self.running if r is not req]
+            if self.chunked_req is req:
+                self.chunked_req = None
+            self.touched.append(req)
+            self.finish(req, req.to_abort)
+
+    def _take_outputs(self) -> BatchTokenIDOutput | None:
+        if not self.touched:
+            return None
+        touched, self.touched = self.touched, []
+        return build_output(touched, self.args.stream_interval)
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def internal_state(self) -> InternalState:
+        total = self.allocator.size
+        free = self.allocator.available_size()
+        cached = self.tree.total_size()
+        return InternalState(
+            num_running_reqs=len(self.running) + (self.chunked_req is not None),
+            num_waiting_reqs=len(self.waiting),
+            kv_total=total, kv_free=free, kv_cached=cached, kv_in_use=total - free - cached,
+            last_heartbeat=self.last_heartbeat,
+        )  # fmt: skip
+
+    def check_idle_invariant(self) -> None:
+        """At idle every slot is free or held by the cache, and nothing holds a request row."""
+        assert self.is_idle(), "check_idle_invariant called while requests are live"
+        free, cached = self.allocator.available_size(), self.tree.total_size()
+        if free + cached != self.allocator.size:
+            raise AssertionError(
+                f"KV leak: free {free} + cached {cached} != total {self.allocator.size}"
+            )
+        if self.tree.protected_size() != 0:
+            raise AssertionError(f"radix cache still locked: {self.tree.protected_size()} tokens")
+        if self.req_pool.available_size() != self.req_pool.size:
+            raise AssertionError("request rows leaked")
+        if self.reqs:
+            raise AssertionError(f"requests left behind: {list(self.reqs)[:5]}")
+
+    def flush_cache(self) -> bool:
+        if not self.is_idle():
+            return False
+        self.tree.reset()
+        self.allocator.clear()
+        return True

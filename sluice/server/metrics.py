@@ -1,0 +1,133 @@
+"""Prometheus metrics of one app instance (its own registry, so several apps never clash).
+
+Counters and histograms are updated as requests run; the gauges describing the scheduler
+(running and waiting requests, KV usage) are refreshed from `get_internal_state` at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "sluice_http_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "sluice_time_to_first_token_seconds", "time to first token (streamed requests)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "sluice_inter_token_latency_seconds", "time between output tokens (streamed requests)",
+            buckets=_ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "sluice_e2e_request_latency_seconds", "request latency, receipt to last token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("sluice_prompt_tokens", "prompt tokens", registry=r)
+        self.cached_tokens = Counter("sluice_cached_prompt_tokens", "prompt tokens from cache", registry=r)
+        self.generation_tokens = Counter("sluice_generation_tokens", "generated tokens", registry=r)
+        self.num_running = Gauge("sluice_num_running_reqs", "requests running", registry=r)
+        self.num_waiting = Gauge("sluice_num_waiting_reqs", "requests waiting", registry=r)
+        self.kv_usage = Gauge("sluice_kv_usage_ratio", "KV slots held by live requests / total", registry=r)
+        self.kv_cached = Gauge("sluice_kv_cached_tokens", "KV slots held by the radix cache", registry=r)
+        self.kv_total = Gauge("sluice_kv_total_tokens", "KV pool size in tokens", registry=r)
+        self.cache_hit_rate = Gauge(
+            "sluice_cache_hit_rate", "cached prompt tokens / prompt tokens, since start", registry=r
+        )
+        self.num_prompt_tokens = 0  # running sums behind cache_hit_rate
+        self.num_cached_tokens = 0
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self, state: dict[str, Any] | None) -> bytes:
+        if state is not None:
+            total = max(int(state.get("kv_total", 0)), 1)
+            self.num_running.set(state.get("num_running_reqs", 0))
+            self.num_waiting.set(state.get("num_waiting_reqs", 0))
+            self.kv_usage.set(state.get("kv_in_use", 0) / total)
+            self.kv_cached.set(state.get("kv_cached", 0))
+            self.kv_total.set(state.get("kv_total", 0))
+        prompt = self.num_prompt_tokens
+        self.cache_hit_rate.set(self.num_cached_tokens / prompt if prompt else 0.0)
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Latency of one request: TTFT and inter-token gaps per choice index, then e2e."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        # index -> (time of the last update with new tokens, completion tokens then)
+        self._last: dict[int, tuple[float, int]] = {}
+
+    def on_output(self, item: dict[str, Any]) -> None:
+        num = int(item["meta_info"].get("completion_tokens") or 0)
+        now = time.perf_counter()
+        prev = self._last.get(item["index"])
+        if prev is None:
+            if num > 0:
+                self.metrics.ttft.observe(now - self.start)
+                self._last[item["index"]] = (now, num)
+        elif num > prev[1]:
+            self.metrics.itl.observe((now - prev[0]) / (num - prev[1]))
+            self._last[item["index"]] = (now, num)
+
+    def on_finish(self, usage: dict[str, Any]) -> None:
+        m = self.metrics
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        m.e2e.observe(time.perf_counter() - self.start)
+        m.prompt_tokens.inc(usage["prompt_tokens"])
+        m.generation_tokens.inc(usage["completion_tokens"])
+        m.cached_tokens.inc(cached)
+        m.num_prompt_tokens += usage["prompt_tokens"]
+        m.num_cached_tokens += cached
+
+
+class RequestCountMiddleware:
+    """Counts every HTTP request by route (known paths, else "other") and status."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: set[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            self.metrics.requests.labels(route=route, status=str(status)).inc()

@@ -1,0 +1,291 @@
+"""What every generation route shares: body parsing, model check, the output stream of the
+TokenizerManager, disconnect handling, finish reasons and usage.
+
+`OpenAIServingBase.handle` is the whole request flow: parse → check model and readiness →
+`convert` (the protocol ends there) → stream SSE frames or build one JSON response. Subclasses
+supply `convert`, `stream_frames`, `final_response` and `usage_chunk`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from sluice.server.errors import APIError, error_frame, error_response, validation_error
+from sluice.server.logprobs import TokenText
+from sluice.server.metrics import RequestTracker, ServerMetrics
+from sluice.server.sse import DONE_FRAME, KEEPALIVE_FRAME, SSEResponse, sse_data
+from sluice.tokenizer.generate_input import GenerateReqInput
+
+M = TypeVar("M", bound=BaseModel)
+
+# status of a response nobody reads any more (nginx's "client closed request")
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class ServingContext:
+    """What the serving classes of one app share."""
+
+    tokenizer_manager: Any
+    model_name: str
+    metrics: ServerMetrics
+    token_text: TokenText
+    keepalive_interval: float = 5.0
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                "model_not_found",
+                "model",
+            )
+
+    def check_ready(self) -> None:
+        tm = self.tokenizer_manager
+        if not tm.server_ready:
+            raise APIError(503, "the server is starting", "server_not_ready")
+        if not tm.is_healthy:
+            raise APIError(503, "the server is unhealthy", "server_unhealthy")
+
+
+async def parse_body(request: Request, model_cls: type[M]) -> M:
+    """The JSON body as `model_cls`; malformed JSON or a wrong field is a 400."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", "invalid_request_error")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from None
+
+
+class OutputStream:
+    """The TokenizerManager's generator, advanced in a task so a timeout never cancels it.
+
+    Owns the generator: `aclose` (idempotent) cancels a pending fetch and closes it, which is
+    what makes the TokenizerManager abort the request.
+    """
+
+    def __init__(self, gen: AsyncIterator[dict[str, Any]]) -> None:
+        self._gen = gen
+        self._pending: asyncio.Future[dict[str, Any]] | None = None
+        self._buffer: list[dict[str, Any]] = []
+        self._exhausted = False
+
+    async def _fetch(self, timeout: float | None) -> tuple[bool, dict[str, Any] | None]:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(anext(self._gen))
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
+        if not done:
+            return False, None
+        fut, self._pending = self._pending, None
+        return True, fut.result()
+
+    async def prime(self, timeout: float) -> None:
+        """Wait up to `timeout` for the first item; errors raised before it propagate here."""
+        try:
+            ready, item = await self._fetch(timeout)
+        except StopAsyncIteration:
+            self._exhausted = True
+            return
+        if ready and item is not None:
+            self._buffer.append(item)
+
+    async def items(self, tick: float | None) -> AsyncIterator[dict[str, Any] | None]:
+        """The items; None whenever `tick` seconds pass without one (never when tick is None)."""
+        while self._buffer:
+            yield self._buffer.pop(0)
+        while not self._exhausted:
+            try:
+                ready, item = await self._fetch(tick)
+            except StopAsyncIteration:
+                self._exhausted = True
+                return
+            yield item if ready else None
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                pending.cancel()
+                with suppress(BaseException):
+                    await pending
+            await self._gen.aclose()  # type: ignore[attr-defined]
+
+
+async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Run `work`; cancel it if the client disconnects first (ASGI `http.disconnect`)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for t in (task, watcher):
+                t.cancel()
+                with suppress(BaseException):
+                    await t
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    """OpenAI's finish_reason; an abort is not one: it raises the APIError it carries."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    if reason.get("type") == "abort":
+        raise APIError(
+            int(reason.get("status_code") or 503),
+            reason.get("message") or "the request was aborted",
+            reason.get("code") or "request_aborted",
+        )
+    return "length" if reason.get("type") == "length" else "stop"
+
+
+def make_usage(metas: dict[int, dict[str, Any]], n: int) -> dict[str, Any]:
+    """Prompt (and cached) tokens count once per prompt; completion tokens sum all choices."""
+    firsts = [m for i, m in metas.items() if i % n == 0]
+    prompt = sum(int(m.get("prompt_tokens") or 0) for m in firsts)
+    cached = sum(int(m.get("cached_tokens") or 0) for m in firsts)
+    completion = sum(int(m.get("completion_tokens") or 0) for m in metas.values())
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@dataclass
+class ResponseState:
+    """One request's response being built: identity, options, and per-choice progress."""
+
+    id: str
+    model: str
+    n: int
+    stream: bool
+    include_usage: bool
+    tracker: RequestTracker
+    created: int = field(default_factory=lambda: int(time.time()))
+    metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> latest meta_info
+    started: set[int] = field(default_factory=set)  # indexes that sent their first chunk
+    extra: dict[str, Any] = field(default_factory=dict)  # route-specific (echo prompts, ...)
+
+    def usage(self) -> dict[str, Any]:
+        return make_usage(self.metas, self.n)
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIServingBase:
+    request_model: type[BaseModel]
+    id_prefix = ""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    @property
+    def tm(self) -> Any:
+        return self.ctx.tokenizer_manager
+
+    async def handle(self, raw_request: Request) -> Response:
+        stream: OutputStream | None = None
+        try:
+            req = await parse_body(raw_request, self.request_model)
+            self.ctx.check_model(getattr(req, "model", None))
+            self.ctx.check_ready()
+            obj = await self.convert(req)
+            state = self.new_state(req, obj)
+            stream = OutputStream(self.tm.generate_request(obj))
+            if obj.stream:
+                await stream.prime(self.ctx.keepalive_interval)
+                return SSEResponse(self.sse_body(state, stream), on_close=stream.aclose)
+            work = self.collect_response(state, stream)
+            return await run_until_disconnect(raw_request, work)
+        except Exception as exc:
+            if stream is not None:
+                await stream.aclose()
+            return error_response(exc)
+
+    async def convert(self, req: Any) -> GenerateReqInput:
+        raise NotImplementedError
+
+    def new_state(self, req: Any, obj: GenerateReqInput) -> ResponseState:
+        return ResponseState(
+            id=f"{self.id_prefix}{obj.rid}",
+            model=self.ctx.model_name,
+            n=int(req.n),
+            stream=bool(obj.stream),
+            include_usage=bool(req.include_usage),
+            tracker=self.ctx.metrics.track(),
+        )
+
+    async def sse_body(self, state: ResponseState, stream: OutputStream) -> AsyncIterator[str]:
+        try:
+            async for item in stream.items(self.ctx.keepalive_interval):
+                if item is None:
+                    yield KEEPALIVE_FRAME
+                    continue
+                state.tracker.on_output(item)
+                state.metas[item["index"]] = item["meta_info"]
+                for frame in self.stream_frames(state, item):
+                    yield frame
+            usage = state.usage()
+            state.tracker.on_finish(usage)
+            if state.include_usage:
+                yield sse_data(self.usage_chunk(state, usage))
+        except Exception as exc:
+            yield error_frame(exc)
+        yield DONE_FRAME
+
+    async def collect_response(self, state: ResponseState, stream: OutputStream) -> Response:
+        finals: dict[int, dict[str, Any]] = {}
+        try:
+            async for item in stream.items(None):
+                if item is not None:
+                    finals[item["index"]] = item
+                    state.metas[item["index"]] = item["meta_info"]
+        finally:
+            await stream.aclose()
+        ordered = [finals[i] for i in sorted(finals)]
+        body = self.final_response(state, ordered)  # raises on an abort finish
+        state.tracker.on_finish(body["usage"])
+        return JSONResponse(body)
+
+    def stream_frames(self, state: ResponseState, item: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def final_response(self, state: ResponseState, items: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, state: ResponseState, usage: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk_head(self, state: ResponseState, obj: str) -> dict[str, Any]:
+        return {"id": state.id, "object": obj, "created": state.created, "model": state.model}

@@ -1,0 +1,201 @@
+"""GenerateReqInput → one `Item` per (prompt, sample), with validated sampling parameters.
+
+Everything here is pure (no tokenizer, no I/O); every rejection is a `RequestError` whose
+`param` names the offending field, so the HTTP layer can answer with an OpenAI error body.
+Item order: index = prompt_index * n + sample_index.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from sluice.messages import SamplingParams
+from sluice.tokenizer.generate_input import GenerateReqInput
+
+SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__) | {"n"}
+MAX_N = 128
+# field -> (lowest, highest) accepted; None: unbounded on that side
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "temperature": (0.0, None),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "max_new_tokens": (0, None),
+    "min_new_tokens": (0, None),
+    "repetition_penalty": (0.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+}
+
+
+class RequestError(Exception):
+    """A request the server will not run; maps to an OpenAI error body with `status_code`."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        code: str | None = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.code = code
+        self.param = param
+
+
+@dataclass
+class Item:
+    """One (prompt, sample) of a GenerateReqInput; `prompt` is text or token ids."""
+
+    index: int
+    prompt_index: int
+    rid: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+def normalize(obj: GenerateReqInput) -> list[Item]:
+    prompts = _prompts(obj)
+    param_dicts = _param_dicts(obj.sampling_params, len(prompts))
+    parsed = [parse_sampling_params(p) for p in param_dicts]
+    n = parsed[0][1]
+    if any(pn != n for _, pn in parsed):
+        raise RequestError("every prompt of a batch must ask for the same n", param="n")
+    rids = _rids(obj.rid, len(prompts), n)
+    items = []
+    for p, (prompt, (params, _)) in enumerate(zip(prompts, parsed, strict=True)):
+        for s in range(n):
+            sample = params if s == 0 else msgspec.structs.replace(params)
+            if s > 0 and params.seed is not None:  # distinct, still reproducible, samples
+                sample.seed = params.seed + s
+            index = p * n + s
+            items.append(Item(index, p, rids[index], prompt, sample))
+    if obj.top_logprobs_num < 0:
+        raise RequestError("top_logprobs_num must be >= 0", param="top_logprobs_num")
+    if obj.logprob_start_len < -1:
+        raise RequestError("logprob_start_len must be >= -1", param="logprob_start_len")
+    return items
+
+
+def _prompts(obj: GenerateReqInput) -> list[str | list[int]]:
+    if (obj.text is None) == (obj.input_ids is None):
+        raise RequestError("give exactly one of text and input_ids", param="text")
+    if obj.is_single:
+        return [obj.text if obj.text is not None else list(obj.input_ids or [])]
+    if obj.text is not None:
+        if not isinstance(obj.text, list) or not all(isinstance(t, str) for t in obj.text):
+            raise RequestError("text must be a string or a list of strings", param="text")
+        prompts: list[Any] = list(obj.text)
+    else:
+        prompts = list(obj.input_ids or [])
+        for ids in prompts:
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise RequestError(
+                    "input_ids must be a list of token ids or a list of such lists",
+                    param="input_ids",
+                )
+    if not prompts:
+        raise RequestError("the batch of prompts is empty", param=_prompt_param(obj))
+    return prompts
+
+
+def _prompt_param(obj: GenerateReqInput) -> str:
+    return "text" if obj.text is not None else "input_ids"
+
+
+def _param_dicts(params: Any, num_prompts: int) -> list[dict[str, Any]]:
+    if params is None:
+        return [{}] * num_prompts
+    if isinstance(params, dict):
+        return [params] * num_prompts
+    if isinstance(params, list) and len(params) == num_prompts:
+        if all(isinstance(p, dict) for p in params):
+            return params
+    raise RequestError(
+        f"sampling_params must be one object or a list of {num_prompts} (one per prompt)",
+        param="sampling_params",
+    )
+
+
+def parse_sampling_params(params: dict[str, Any]) -> tuple[SamplingParams, int]:
+    """(SamplingParams, n) from a plain dict; unknown keys, wrong types and ranges are errors."""
+    params = dict(params)
+    unknown = sorted(set(params) - SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown sampling parameter {unknown[0]!r}", param=unknown[0])
+    n = params.pop("n", 1)
+    if n is None:
+        n = 1
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    if params.get("stop") is None:
+        params.pop("stop", None)
+    try:
+        if params.get("logit_bias"):
+            params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
+        sp = msgspec.convert(params, SamplingParams, strict=False)
+    except (msgspec.ValidationError, ValueError, TypeError, AttributeError) as e:
+        raise RequestError(f"invalid sampling parameters: {e}", param=_error_param(e)) from e
+    _check_ranges(sp)
+    return sp, n
+
+
+def _error_param(e: Exception) -> str | None:
+    m = re.search(r"at `\$\.(\w+)", str(e))
+    if m:
+        return m.group(1)
+    return "logit_bias" if "int()" in str(e) or "float()" in str(e) else None
+
+
+def _check_ranges(sp: SamplingParams) -> None:
+    for name, (lo, hi) in _RANGES.items():
+        value = getattr(sp, name)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RequestError(f"{name} must be a finite number, got {value}", param=name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise RequestError(f"{name} must be {bounds}, got {value}", param=name)
+    if sp.repetition_penalty == 0.0:
+        raise RequestError("repetition_penalty must be > 0", param="repetition_penalty")
+    if sp.top_k != -1 and sp.top_k < 1:
+        raise RequestError(f"top_k must be -1 (no limit) or >= 1, got {sp.top_k}", param="top_k")
+    if sp.max_new_tokens is not None and sp.min_new_tokens > sp.max_new_tokens:
+        raise RequestError(
+            f"min_new_tokens ({sp.min_new_tokens}) exceeds max_new_tokens ({sp.max_new_tokens})",
+            param="min_new_tokens",
+        )
+    for token, bias in (sp.logit_bias or {}).items():
+        if not -100.0 <= bias <= 100.0:
+            raise RequestError(
+                f"logit_bias of token {token} must be in [-100, 100], got {bias}",
+                param="logit_bias",
+            )
+
+
+def _rids(rid: Any, num_prompts: int, n: int) -> list[str]:
+    total = num_prompts * n
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(total)]
+    if isinstance(rid, str):
+        rids = [rid] if total == 1 else [f"{rid}-{i}" for i in range(total)]
+    elif isinstance(rid, list) and len(rid) == num_prompts and all(isinstance(r, str) for r in rid):
+        rids = list(rid) if n == 1 else [f"{r}-{s}" for r in rid for s in range(n)]
+    else:
+        raise RequestError(
+            f"rid must be a string or a list of {num_prompts} strings (one per prompt)",
+            param="rid",
+        )
+    if len(set(rids)) != len(rids) or not all(rids):
+        raise RequestError("request ids must be distinct and non-empty", param="rid")
+    return rids

@@ -1,0 +1,89 @@
+"""The one registry of environment variables read by sluice.
+
+Every variable sluice reads is declared in `ENV_VARS` with its default and a help line; the typed
+getters below refuse undeclared names, so `ENV_VARS` is the complete list. Values are read when a
+getter is called, never at import, so tests may set variables with `monkeypatch.setenv`.
+To add a variable: add an entry to `ENV_VARS` (and a small named getter if it is read in several
+places).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    default: str | None  # as the string the variable would hold; None: unset
+    help: str
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    "SLUICE_CACHE_DIR": EnvVar(
+        "~/.cache/sluice", "where converted models and other derived files are cached"
+    ),
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _raw(name: str) -> str | None:
+    if name not in ENV_VARS:
+        raise KeyError(f"environment variable {name} is not declared in sluice.utils.envs.ENV_VARS")
+    value = os.environ.get(name)
+    return ENV_VARS[name].default if value is None else value
+
+
+def get_str(name: str) -> str | None:
+    return _raw(name)
+
+
+def get_int(name: str) -> int | None:
+    value = _raw(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def get_float(name: str) -> float | None:
+    value = _raw(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+def get_bool(name: str) -> bool:
+    value = (_raw(name) or "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def get_path(name: str) -> Path | None:
+    value = _raw(name)
+    return None if not value else Path(value).expanduser()
+
+
+def cache_dir() -> Path:
+    """Root of sluice's cache (converted GGUF models, test references); not created here."""
+    path = get_path("SLUICE_CACHE_DIR")  # None when set to ""
+    return path or Path(ENV_VARS["SLUICE_CACHE_DIR"].default or "").expanduser()
+
+
+def describe() -> str:
+    """One line per declared variable: name, current value, help (for --help epilogs and logs)."""
+    lines = []
+    for name, var in sorted(ENV_VARS.items()):
+        lines.append(f"{name}={_raw(name)!r}  ({var.help}; default {var.default!r})")
+    return "\n".join(lines)

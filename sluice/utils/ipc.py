@@ -1,0 +1,152 @@
+"""Framing of `sluice.messages` structs over ZMQ, and the plumbing every child process shares.
+
+A message travels as two frames: [type name, msgpack payload]. The type name selects the struct
+to decode into, so one socket carries several message types and decoding is typed (no pickle).
+Only structs defined in `sluice.messages` can be sent.
+
+Socket layout (every PULL binds, every PUSH connects, all under one private temp dir):
+  TokenizerManager ──▶ scheduler_in    (requests, aborts, control requests)
+  scheduler, TM    ──▶ detokenizer_in  (token-id batches, control replies, aborts)
+  detokenizer      ──▶ tokenizer_in    (text batches, control replies)
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from sluice import messages
+
+logger = logging.getLogger(__name__)
+
+MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
+    name: cls
+    for name, cls in vars(messages).items()
+    if inspect.isclass(cls) and issubclass(cls, msgspec.Struct) and cls.__module__ == messages.__name__
+}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {name.encode(): msgspec.msgpack.Decoder(cls) for name, cls in MESSAGE_TYPES.items()}
+
+
+def encode(msg: msgspec.Struct) -> list[bytes]:
+    name = type(msg).__name__
+    if MESSAGE_TYPES.get(name) is not type(msg):
+        raise TypeError(f"{type(msg)!r} is not a message of sluice.messages")
+    return [name.encode(), _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> Any:
+    """The struct that `encode` framed; ValueError for anything malformed."""
+    if len(frames) != 2:
+        raise ValueError(f"a message has 2 frames, got {len(frames)}")
+    decoder = _DECODERS.get(bytes(frames[0]))
+    if decoder is None:
+        raise ValueError(f"unknown message type {bytes(frames[0])[:64]!r}")
+    try:
+        return decoder.decode(frames[1])
+    except msgspec.DecodeError as e:
+        raise ValueError(f"malformed {bytes(frames[0]).decode()}: {e}") from e
+
+
+def send(sock: zmq.Socket, msg: msgspec.Struct) -> None:
+    sock.send_multipart(encode(msg), copy=False)
+
+
+def recv_all(sock: zmq.Socket, timeout_ms: int) -> list[list[bytes]]:
+    """Every frame list waiting on `sock`, after waiting up to `timeout_ms` for the first."""
+    batch: list[list[bytes]] = []
+    if timeout_ms > 0 and not sock.poll(timeout_ms, zmq.POLLIN):
+        return batch
+    while True:
+        try:
+            batch.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return batch
+
+
+@dataclass(frozen=True)
+class IpcAddrs:
+    root: str  # private temp dir holding the socket files; removed by `remove`
+    scheduler_in: str
+    detokenizer_in: str
+    tokenizer_in: str
+
+    @classmethod
+    def create(cls) -> IpcAddrs:
+        root = tempfile.mkdtemp(prefix="sluice-")
+        return cls(root, *(f"ipc://{root}/{n}" for n in ("scheduler", "detokenizer", "tokenizer")))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def pull_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(addr)
+    return sock
+
+
+def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    """A PUSH that never blocks nor drops: no high-water mark; pending messages die on close."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    return sock
+
+
+# ---------------------------------------------------------------------------- child processes
+
+
+def setup_child_process(title: str, log_level: str) -> None:
+    """Name the process, configure logging, leave Ctrl-C to the parent, die with the parent."""
+    from setproctitle import setproctitle
+
+    setproctitle(title)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # the launcher stops children with SIGTERM; a terminal's Ctrl-C reaches the whole group
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(log_level, title)
+    _watch_parent(os.getppid())
+
+
+def configure_logging(log_level: str, name: str) -> None:
+    logging.basicConfig(
+        level=log_level.upper(),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """Exit as soon as the parent is gone (re-parented), so no child outlives the server."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def report_ready(conn: Any, msg: messages.ReadyMsg) -> None:
+    """Send the start-up handshake on a multiprocessing Connection and close it."""
+    conn.send_bytes(_ENCODER.encode(msg))
+    conn.close()
+
+
+def read_ready(data: bytes) -> messages.ReadyMsg:
+    return msgspec.msgpack.decode(data, type=messages.ReadyMsg)

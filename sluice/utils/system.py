@@ -1,0 +1,43 @@
+"""Facts about the machine a process runs on: usable cores, free memory."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+
+def available_cpus() -> int:
+    """Cores this process may really use: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        n = min(n, max(1, math.floor(quota)))
+    return max(1, n)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    v2 = Path("/sys/fs/cgroup/cpu.max")
+    try:
+        if v2.exists():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        v1q, v1p = (
+            Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+            Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+        )
+        if v1q.exists() and v1p.exists():
+            quota = int(v1q.read_text())
+            return None if quota <= 0 else quota / int(v1p.read_text())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def available_memory_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)

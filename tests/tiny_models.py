@@ -1,0 +1,81 @@
+"""Tiny random-weight checkpoints in Hugging Face layout, usable end to end with text.
+
+Each carries the SmolLM2 tokenizer (vocab 49152, chat template) copied from the converted
+default model, so prompts can be tokenized and outputs detokenized like with the real model.
+Weights are deterministic (fixed seed), so two calls give identical checkpoints.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sluice.model.loader import default_model_path, prepare_hf_dir
+
+SEED = 1234
+_MODEL_FILES = ("config.json", "generation_config.json")
+
+_TINY_SHAPE: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+def make_tiny_llama(dir: str | Path, tokenizer_dir: str | None = None, **overrides: Any) -> str:
+    """A 2-layer LlamaForCausalLM (untied lm_head unless overridden) saved into `dir`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**_TINY_SHAPE, "rope_theta": 10000.0, **overrides})
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    return _save(model, dir, tokenizer_dir)
+
+
+def make_tiny_qwen2(dir: str | Path, tokenizer_dir: str | None = None, **overrides: Any) -> str:
+    """A 2-layer Qwen2ForCausalLM with non-zero random q/k/v biases and tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = {**_TINY_SHAPE, "rope_theta": 1000000.0, "tie_word_embeddings": True}
+    config = Qwen2Config(**{**shape, **overrides})
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.copy_(torch.randn_like(proj.bias) * 0.5)
+    return _save(model, dir, tokenizer_dir)
+
+
+def copy_tokenizer(src_dir: str | Path, dst_dir: str | Path) -> None:
+    """Copy every tokenizer file (all but weights and model configs) from src_dir to dst_dir."""
+    for path in Path(src_dir).iterdir():
+        if path.is_file() and path.name not in _MODEL_FILES and ".safetensors" not in path.name:
+            shutil.copy2(path, Path(dst_dir) / path.name)
+
+
+def _save(model: torch.nn.Module, dir: str | Path, tokenizer_dir: str | None) -> str:
+    from transformers import GenerationConfig
+
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    config = model.config
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(str(out))
+    copy_tokenizer(tokenizer_dir or prepare_hf_dir(default_model_path()), out)
+    return str(out)

@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 PROCESS_TITLE = "sluice::detokenizer"
 
 
-def run_detokenizer_process(hf_dir: str, log_level: str, addrs: ipc.IpcAddrs, ready_conn: Any) -> None:
+def run_detokenizer_process(
+    hf_dir: str, log_level: str, addrs: ipc.IpcAddrs, ready_conn: Any
+) -> None:
     # set before torch can be imported (transformers imports it): no compute thread pools here
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
@@ -80,6 +82,8 @@ class DetokenizerLoop:
             return self.manager.handle(out)
         except Exception as e:  # fail this batch's requests, keep serving the others
             logger.exception("detokenizing a batch of %d requests failed", len(out.rids))
+            for rid in out.rids:
+                self.manager.abort(rid)
             return _failed_batch(out, f"detokenization failed: {e}")
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from sluice.messages import SamplingParams
@@ -147,8 +148,9 @@ def step_uniform(seed: int, step: int) -> float:
 def _flat_keys(rows: list[int], id_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
     """Keys row * V + token for every id of id_lists[j] in row rows[j] (one tensor op per batch,
     not per request); ids outside the vocab (e.g. image placeholders) are skipped."""
-    tokens = torch.tensor(list(chain.from_iterable(id_lists)), dtype=torch.int64)
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
+    flat = np.fromiter(chain.from_iterable(id_lists), dtype=np.int64, count=int(lengths.sum()))
+    tokens = torch.from_numpy(flat)
     keys = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths) * vocab_size
     keys += tokens
     return keys[(tokens >= 0) & (tokens < vocab_size)].to(device)
@@ -286,28 +288,39 @@ def _prob_cut(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 
 def _top_p_cut(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Per row [R], the probability of the last token of the smallest most-likely set whose mass
-    reaches top_p. Looked for among the best TOP_P_CANDIDATES[0] tokens, then (for the rows
-    not settled) the next tier, and last in a full sort of the rows still not settled."""
-    cut = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)
-    rest = torch.arange(probs.shape[0], device=probs.device)  # rows not settled yet
-    for k in TOP_P_CANDIDATES:
-        if k >= probs.shape[1]:
-            break
-        sub = probs if len(rest) == len(cut) else probs[rest]
-        row_cut, found = _cut_in_sorted(sub.topk(k, dim=-1).values, top_ps[rest])
+    reaches top_p. Each row is settled in the first tier of TOP_P_CANDIDATES best tokens that
+    holds its cut, else by a full sort of the row; every path sees the same sorted prefix, so the
+    cut does not depend on the path or on the other rows."""
+    num_rows, vocab_size = probs.shape
+    cut = torch.empty(num_rows, dtype=probs.dtype, device=probs.device)
+    rest = torch.arange(num_rows, device=probs.device)  # rows not settled yet
+    to_sort = [rest[:0]]  # rows that no tier can settle
+    tiers = [k for k in TOP_P_CANDIDATES if k < vocab_size]
+    for k, next_k in zip(tiers, tiers[1:] + [vocab_size], strict=False):
+        desc = (probs if len(rest) == num_rows else probs[rest]).topk(k, dim=-1).values
+        mass = desc.cumsum(dim=-1)  # [len(rest), k]
+        row_cut, found = _cut_in_sorted(desc, mass, top_ps[rest])
         cut[rest[found]] = row_cut[found]
-        rest = rest[~found]
+        # a row not settled needs at least (top_p - mass) / p_k more tokens, each at most p_k
+        min_len = k + (top_ps[rest] - mass[:, -1]) / desc[:, -1]
+        hopeless = ~found & (min_len > next_k)
+        to_sort.append(rest[hopeless])
+        rest = rest[~found & ~hopeless]
         if len(rest) == 0:
-            return cut
-    full = probs[rest].sort(dim=-1, descending=True).values
-    cut[rest] = _cut_in_sorted(full, top_ps[rest])[0]
+            break
+    rest = torch.cat([*to_sort, rest])
+    if len(rest) > 0:
+        desc = probs[rest].sort(dim=-1, descending=True).values
+        cut[rest] = _cut_in_sorted(desc, desc.cumsum(dim=-1), top_ps[rest])[0]
     return cut
 
 
-def _cut_in_sorted(desc: torch.Tensor, top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows sorted descending: the value where the running mass first reaches top_p, and
-    whether it does within these columns (if not, the last column's value is returned)."""
-    last = (desc.cumsum(dim=-1) < top_ps.unsqueeze(1)).sum(dim=-1)  # [R]
+def _cut_in_sorted(
+    desc: torch.Tensor, mass: torch.Tensor, top_ps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows sorted descending with running mass `mass`: the value where the mass first
+    reaches top_p, and whether it does within these columns (if not: the last column's value)."""
+    last = (mass < top_ps.unsqueeze(1)).sum(dim=-1)  # [R]
     found = last < desc.shape[1]
     cut = desc.gather(1, last.clamp(max=desc.shape[1] - 1).unsqueeze(1)).squeeze(1)
     return cut, found

@@ -32,7 +32,7 @@ from sluice.scheduler.batch import run_decode, run_prefill
 from sluice.scheduler.finish import FinishChecker
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sluice.scheduler.output import build_output
-from sluice.scheduler.prefill_adder import PrefillAdder, sort_waiting
+from sluice.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting
 from sluice.scheduler.radix_cache import RadixCache
 from sluice.scheduler.req import Req
 from sluice.scheduler.resources import Resources
@@ -152,7 +152,7 @@ class Scheduler:
         if self.chunked_req is not None:
             adder.add_chunked(self.chunked_req)
         for req in sort_waiting(self.waiting, self.args.schedule_policy, self.tree):
-            if not adder.try_add(req):
+            if adder.try_add(req) == AddResult.STOP:
                 break
         if not adder.can_run:
             return False

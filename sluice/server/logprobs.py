@@ -90,7 +90,12 @@ def legacy_logprobs(
     text_offset: int = 0,
 ) -> dict[str, Any]:
     """The completions shape; `text_offset` is where the first token starts in the choice text."""
-    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, Any] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for i, (lp, tid) in enumerate(pairs):
         text = tokens.text(tid)
         out["tokens"].append(text)
@@ -111,7 +116,9 @@ def merge_legacy(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[s
     """Prompt (echo) logprobs followed by output logprobs, in one legacy object."""
     if first is None:
         return second
-    merged = {k: list(first[k]) + list(second[k]) for k in ("tokens", "token_logprobs", "text_offset")}
+    merged = {
+        k: list(first[k]) + list(second[k]) for k in ("tokens", "token_logprobs", "text_offset")
+    }
     if first["top_logprobs"] is None or second["top_logprobs"] is None:
         merged["top_logprobs"] = None
     else:

@@ -30,7 +30,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "sluice_http_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+            "sluice_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=r,
         )
         self.ttft = Histogram(
             "sluice_time_to_first_token_seconds", "time to first token (streamed requests)",
@@ -45,12 +48,18 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter("sluice_prompt_tokens", "prompt tokens", registry=r)
-        self.cached_tokens = Counter("sluice_cached_prompt_tokens", "prompt tokens from cache", registry=r)
+        self.cached_tokens = Counter(
+            "sluice_cached_prompt_tokens", "prompt tokens from cache", registry=r
+        )
         self.generation_tokens = Counter("sluice_generation_tokens", "generated tokens", registry=r)
         self.num_running = Gauge("sluice_num_running_reqs", "requests running", registry=r)
         self.num_waiting = Gauge("sluice_num_waiting_reqs", "requests waiting", registry=r)
-        self.kv_usage = Gauge("sluice_kv_usage_ratio", "KV slots held by live requests / total", registry=r)
-        self.kv_cached = Gauge("sluice_kv_cached_tokens", "KV slots held by the radix cache", registry=r)
+        self.kv_usage = Gauge(
+            "sluice_kv_usage_ratio", "KV slots held by live requests / total", registry=r
+        )
+        self.kv_cached = Gauge(
+            "sluice_kv_cached_tokens", "KV slots held by the radix cache", registry=r
+        )
         self.kv_total = Gauge("sluice_kv_total_tokens", "KV pool size in tokens", registry=r)
         self.cache_hit_rate = Gauge(
             "sluice_cache_hit_rate", "cached prompt tokens / prompt tokens, since start", registry=r

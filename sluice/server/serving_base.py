@@ -222,6 +222,7 @@ class OpenAIServingBase:
             self.ctx.check_ready()
             obj = await self.convert(req)
             state = self.new_state(req, obj)
+            await self.prepare(req, state)
             stream = OutputStream(self.tm.generate_request(obj))
             if obj.stream:
                 await stream.prime(self.ctx.keepalive_interval)
@@ -235,6 +236,9 @@ class OpenAIServingBase:
 
     async def convert(self, req: Any) -> GenerateReqInput:
         raise NotImplementedError
+
+    async def prepare(self, req: Any, state: ResponseState) -> None:
+        """Route-specific async set-up before generation starts (nothing by default)."""
 
     def new_state(self, req: Any, obj: GenerateReqInput) -> ResponseState:
         return ResponseState(

@@ -88,7 +88,11 @@ def _prompts(obj: GenerateReqInput) -> list[str | list[int]]:
     if (obj.text is None) == (obj.input_ids is None):
         raise RequestError("give exactly one of text and input_ids", param="text")
     if obj.is_single:
-        return [obj.text if obj.text is not None else list(obj.input_ids or [])]
+        if obj.text is not None:
+            return [obj.text]
+        if not all(type(t) is int for t in obj.input_ids or []):
+            raise RequestError("input_ids must hold integer token ids", param="input_ids")
+        return [list(obj.input_ids or [])]
     if obj.text is not None:
         if not isinstance(obj.text, list) or not all(isinstance(t, str) for t in obj.text):
             raise RequestError("text must be a string or a list of strings", param="text")

@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
     name: cls
     for name, cls in vars(messages).items()
-    if inspect.isclass(cls) and issubclass(cls, msgspec.Struct) and cls.__module__ == messages.__name__
+    if inspect.isclass(cls)
+    and issubclass(cls, msgspec.Struct)
+    and cls.__module__ == messages.__name__
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {name.encode(): msgspec.msgpack.Decoder(cls) for name, cls in MESSAGE_TYPES.items()}

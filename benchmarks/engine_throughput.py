@@ -1,0 +1,108 @@
+"""Engine throughput: sluice.Engine vs transformers' batched generate, same weights, one run.
+
+Workload (defaults): 64 prompts of about 100 tokens, 128 greedy output tokens each, EOS ignored.
+Both run in this process on the SmolLM2-135M-Instruct weights dequantized from the GGUF (float32),
+with the same thread count. Prints output tokens per second for each, their ratio, and the
+single-request decode speed of sluice.
+
+    .venv/bin/python benchmarks/engine_throughput.py [--num-prompts 64] [--output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+WORDS = (
+    "the of and to in is was for on that with as by at from his her are were this which be or "
+    "river mountain engine lantern quietly carefully number garden window story music silver "
+    "across beneath during without history science market winter summer harbor island bridge"
+).split()
+
+
+def make_prompts(tokenizer, num: int, target_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        words = [rng.choice(WORDS) for _ in range(target_len)]
+        ids = tokenizer.encode(" ".join(words))[:target_len]
+        prompts.append(ids)
+    return prompts
+
+
+def bench_sluice(prompts: list[list[int]], output_len: int, threads: int) -> tuple[float, float]:
+    from sluice import Engine
+
+    engine = Engine(num_threads=threads, max_total_tokens=64 * 1024)
+    params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=prompts[:4], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    assert all(o["meta_info"]["completion_tokens"] == output_len for o in outs)
+    batch_tps = len(prompts) * output_len / elapsed
+    # single stream: decode speed of one request (prefill excluded by a 1-token run)
+    one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    engine.generate(input_ids=prompts[0], sampling_params=one)
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.generate(input_ids=prompts[1], sampling_params=params)
+    single_tps = (output_len - 1) / (time.perf_counter() - t0 - t_prefill)
+    engine.shutdown()
+    return batch_tps, single_tps
+
+
+def bench_transformers(hf_dir: str, prompts: list[list[int]], output_len: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(
+        max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad
+    )
+    with torch.no_grad():
+        model.generate(ids[:4], attention_mask=mask[:4], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] - width == output_len
+    return len(prompts) * output_len / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+
+    from sluice.model.loader import load_model_config
+    from sluice.utils.system import available_cpus
+    from sluice.utils.tokenizer import get_tokenizer
+
+    threads = available_cpus()
+    torch.set_num_threads(threads)
+    cfg = load_model_config(None)
+    prompts = make_prompts(get_tokenizer(cfg.hf_dir), args.num_prompts, args.prompt_len)
+    print(f"workload: {len(prompts)} prompts x ~{args.prompt_len} tokens, {args.output_len} greedy "
+          f"output tokens each, EOS ignored; {threads} threads; model {cfg.model_name} float32")  # fmt: skip
+    sl_tps, single_tps = bench_sluice(prompts, args.output_len, threads)
+    print(f"sluice.Engine:            {sl_tps:8.1f} output tok/s")
+    print(f"sluice single request:    {single_tps:8.1f} tok/s decode")
+    if args.skip_transformers:
+        return
+    hf_tps = bench_transformers(cfg.hf_dir, prompts, args.output_len)
+    print(f"transformers generate:    {hf_tps:8.1f} output tok/s (batch {len(prompts)})")
+    print(f"ratio sluice/transformers: {sl_tps / hf_tps:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

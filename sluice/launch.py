@@ -1,0 +1,277 @@
+"""Starting, watching and stopping sluice's processes.
+
+`ServingProcesses` spawns the scheduler (model inside) and the detokenizer, waits for both
+start-up handshakes, and yields a TokenizerManager wired to them; a watchdog task notices a dead
+child within WATCHDOG_INTERVAL_S. `launch_server` adds the HTTP server (uvicorn) in this process.
+
+Guarantees: no child outlives `ServingProcesses` (terminated on exit, and each child exits by
+itself when its parent is gone); a failed start reports the child's traceback; after a child
+died, every request fails with 503 and `sluice serve` exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from sluice.config import ServerArgs
+from sluice.detokenizer.process import run_detokenizer_process
+from sluice.messages import ReadyMsg
+from sluice.scheduler.process import run_scheduler_process
+from sluice.tokenizer.manager import TokenizerManager
+from sluice.utils import ipc
+
+logger = logging.getLogger(__name__)
+
+PROCESS_TITLE = "sluice::http"
+STARTUP_TIMEOUT_S = 900.0
+WATCHDOG_INTERVAL_S = 0.5
+STOP_TIMEOUT_S = 5.0
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Child:
+    name: str
+    process: mp.process.BaseProcess
+    ready_conn: multiprocessing.connection.Connection  # the parent's read end
+
+
+class ServingProcesses:
+    """`async with ServingProcesses(args) as tm:` runs the scheduler and detokenizer processes
+    for the block's duration. `on_child_death(message)` is called (once) when a child dies."""
+
+    def __init__(
+        self, args: ServerArgs, on_child_death: Callable[[str], None] | None = None
+    ) -> None:
+        self.args = args
+        self.on_child_death = on_child_death
+        self.failure: str | None = None  # why a child died, once one has
+        self.addrs: ipc.IpcAddrs | None = None  # created on entry, removed on exit
+        self.tm: TokenizerManager | None = None
+        self._children: list[_Child] = []
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def pid_of(self, name: str) -> int | None:
+        """The pid of child `name` ("scheduler" or "detokenizer")."""
+        return next((c.process.pid for c in self._children if c.name == name), None)
+
+    async def __aenter__(self) -> TokenizerManager:
+        self.addrs = ipc.IpcAddrs.create()
+        start = asyncio.get_running_loop().run_in_executor(None, self._start)
+        try:
+            cfg, tokenizer, info = await asyncio.shield(start)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await start  # let the start finish, then undo it
+            self._stop_children()
+            raise
+        except BaseException:
+            self._stop_children()
+            raise
+        self.tm = TokenizerManager(self.args, cfg, tokenizer, self.addrs, info)
+        self.tm.start()
+        self._watchdog = asyncio.create_task(self._watch())
+        logger.info(
+            "model %s: context %s tokens, KV pool %s tokens, up to %s running requests, "
+            "%s on %s with %s threads",
+            self.tm.model_name, info["context_len"], info["max_total_tokens"],
+            info["max_running_requests"], info["dtype"], info["device"], info["num_threads"],
+        )  # fmt: skip
+        return self.tm
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        if self.tm is not None:
+            await self.tm.close()
+        self._stop_children()
+
+    # ---- start and stop (blocking) ---------------------------------------------------------
+
+    def _start(self) -> tuple[Any, Any, dict[str, Any]]:
+        from sluice.model.loader import load_model_config
+        from sluice.utils.tokenizer import get_tokenizer
+
+        try:
+            cfg = load_model_config(self.args.model_path)  # converts a GGUF once, here
+        except (OSError, ValueError, KeyError) as e:
+            raise StartupError(f"cannot load the model: {e}") from e
+        ctx = mp.get_context("spawn")
+        self._spawn(ctx, "scheduler", run_scheduler_process, self.args, self.addrs)
+        self._spawn(
+            ctx, "detokenizer", run_detokenizer_process, cfg.hf_dir, self.args.log_level, self.addrs
+        )
+        tokenizer = get_tokenizer(cfg.hf_dir)  # while the children start
+        ready = self._wait_ready()
+        return cfg, tokenizer, dict(ready["scheduler"].info)
+
+    def _spawn(self, ctx: Any, name: str, target: Callable[..., None], *args: Any) -> None:
+        reader, writer = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=target, args=(*args, writer), name=f"sluice-{name}")
+        process.daemon = True
+        process.start()
+        writer.close()  # the child holds the only write end: its death reads as EOF here
+        self._children.append(_Child(name, process, reader))
+
+    def _wait_ready(self) -> dict[str, ReadyMsg]:
+        pending = {c.ready_conn: c for c in self._children}
+        ready: dict[str, ReadyMsg] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while pending:
+            left = deadline - time.monotonic()
+            conns = multiprocessing.connection.wait(list(pending), timeout=max(left, 0))
+            if not conns:
+                names = ", ".join(c.name for c in pending.values())
+                raise StartupError(f"{names} not ready after {STARTUP_TIMEOUT_S:.0f} s")
+            for conn in conns:
+                child = pending.pop(conn)  # type: ignore[call-overload]
+                ready[child.name] = self._read_ready(child)
+        return ready
+
+    @staticmethod
+    def _read_ready(child: _Child) -> ReadyMsg:
+        try:
+            msg = ipc.read_ready(child.ready_conn.recv_bytes())
+        except EOFError:
+            child.process.join(1.0)
+            raise StartupError(
+                f"the {child.name} process exited (code {child.process.exitcode}) before it "
+                "was ready"
+            ) from None
+        if msg.error:
+            raise StartupError(f"the {child.name} process failed to start:\n{msg.error}")
+        return msg
+
+    def _stop_children(self) -> None:
+        for child in self._children:
+            if child.process.is_alive():
+                child.process.terminate()
+        for child in self._children:
+            child.process.join(STOP_TIMEOUT_S)
+            if child.process.is_alive():
+                logger.warning("the %s process ignored SIGTERM; killing it", child.name)
+                child.process.kill()
+                child.process.join(1.0)
+            child.ready_conn.close()
+        if self.addrs is not None:
+            self.addrs.remove()
+
+    # ---- watchdog -------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            dead = next((c for c in self._children if not c.process.is_alive()), None)
+            if dead is None:
+                continue
+            self.failure = f"the {dead.name} process died (exit code {dead.process.exitcode})"
+            logger.error("%s: failing all requests and shutting down", self.failure)
+            assert self.tm is not None
+            self.tm.on_child_death(self.failure)
+            if self.on_child_death is not None:
+                self.on_child_death(self.failure)
+            return
+
+
+# ---------------------------------------------------------------------------- the HTTP server
+
+
+def launch_server(args: ServerArgs) -> int:
+    """Run `sluice serve` until a signal or a child's death; returns the exit status."""
+    from setproctitle import setproctitle
+
+    setproctitle(PROCESS_TITLE)
+    ipc.configure_logging(args.log_level, PROCESS_TITLE)
+    # until uvicorn takes over signals, SIGTERM stops the start-up like Ctrl-C does
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        _check_port_free(args.host, args.port)  # before minutes of model loading, not after
+        return asyncio.run(_serve(args))
+    except StartupError as e:
+        logger.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        logger.info("interrupted during start-up")
+        return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise StartupError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+async def _serve(args: ServerArgs) -> int:
+    server: uvicorn.Server | None = None
+
+    def on_child_death(message: str) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    procs = ServingProcesses(args, on_child_death)
+    async with procs as tm:
+        config = uvicorn.Config(
+            _create_app(tm, args), host=args.host, port=args.port, log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )  # fmt: skip
+        server = _Server(config)
+        announce = asyncio.create_task(_announce(server, args))
+        if procs.failure is None:
+            await server.serve()
+        announce.cancel()
+    if procs.failure is not None:
+        logger.error("exiting: %s", procs.failure)
+        return 1
+    logger.info("stopped")
+    return 0
+
+
+async def _announce(server: Any, args: ServerArgs) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    logger.info("sluice is ready: listening on http://%s:%d", args.host, args.port)
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server whose signals only ask it to stop: uvicorn's own handling re-raises the
+    signal after serving, which would kill this process before the children are stopped."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+def _create_app(tm: TokenizerManager, args: ServerArgs) -> Any:
+    from sluice.server.app import create_app  # the HTTP layer, only in this process
+
+    return create_app(tm, args)

@@ -1,0 +1,378 @@
+"""TokenizerManager: the HTTP process's end of the request path (asyncio, one event loop).
+
+A GenerateReqInput is normalized into (prompt, sample) items, tokenized off the event loop,
+validated, and sent to the scheduler as one message (a BatchTokenizedGenerateReqInput when it
+holds several items). Text comes back from the detokenizer as BatchStrOutput and is merged into
+one ReqState per rid; `generate_request` yields one dict per update of an item.
+
+Ownership: `rid_to_state` holds exactly the rids of live `generate_request` calls. A state is
+removed when its finish arrives, and again (if still there) in the call's `finally`, which
+covers errors, client disconnects and cancellation; a call that ends before its rids finish
+sends an AbortReq for each of them, so the scheduler frees their KV too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from sluice.config import ServerArgs
+from sluice.messages import (
+    AbortReq,
+    BatchStrOutput,
+    BatchTokenizedGenerateReqInput,
+    FinishReason,
+    FlushCacheReply,
+    FlushCacheReq,
+    GetInternalStateReq,
+    InternalStateReply,
+    SessionParams,
+    TokenizedGenerateReqInput,
+)
+from sluice.model.model_config import ModelConfig
+from sluice.tokenizer import chat
+from sluice.tokenizer.generate_input import GenerateReqInput
+from sluice.tokenizer.normalize import Item, RequestError, normalize
+from sluice.tokenizer.req_state import ReqState, merge_update, output_dict
+from sluice.utils import ipc
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ReqState", "RequestError", "TokenizerManager"]
+
+CONTROL_TIMEOUT_S = 60.0
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        addrs: ipc.IpcAddrs,
+        scheduler_info: dict[str, Any],
+    ) -> None:
+        self.args = args
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.context_len: int = int(scheduler_info["context_len"])
+        self.max_total_tokens: int = int(scheduler_info["max_total_tokens"])
+        self.model_name: str = args.served_model_name or model_config.model_name
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.is_healthy = True
+        self.server_ready = False
+        self._reply_to = addrs.tokenizer_in
+        self._async_ctx = zmq.asyncio.Context()
+        # sends never block (no high-water mark), so plain sockets do; one I/O thread for both
+        self._sync_ctx = zmq.Context.shadow(self._async_ctx)
+        self._to_scheduler = ipc.push_socket(self._sync_ctx, addrs.scheduler_in)
+        self._to_detokenizer = ipc.push_socket(self._sync_ctx, addrs.detokenizer_in)
+        self._recv_sock = ipc.pull_socket(self._async_ctx, addrs.tokenizer_in)
+        # replies arrive in request order, so each kind of control call is a FIFO of futures
+        self._state_waiters: deque[asyncio.Future[InternalStateReply]] = deque()
+        self._flush_waiters: deque[asyncio.Future[FlushCacheReply]] = deque()
+        # one thread: HF tokenizers are not safe to call concurrently
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+        self.server_ready = True
+
+    async def close(self) -> None:
+        self.server_ready = False
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for sock in (self._to_scheduler, self._to_detokenizer, self._recv_sock):
+            sock.close(linger=0)
+        self._async_ctx.term()
+        self._executor.shutdown(wait=False)
+
+    def on_child_death(self, message: str) -> None:
+        """A child process is gone: fail every live request and control call with 503."""
+        self.is_healthy = False
+        reason = FinishReason(
+            type="abort", message=message, status_code=503, code="service_unavailable"
+        )
+        for state in self.rid_to_state.values():
+            state.finish(reason)
+            state.notify()
+        self.rid_to_state.clear()
+        for waiters in (self._state_waiters, self._flush_waiters):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(_unavailable(message))
+
+    # ---- generation -----------------------------------------------------------------------
+
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        """Yields one dict per update of one item (see module docstring); with stream=False
+        only each item's final dict. Raises RequestError before anything is sent."""
+        self._check_healthy()
+        items = normalize(obj)
+        states = self._register(items, obj)
+        sent = False
+        try:
+            reqs = await self._build_reqs(items, obj, states)
+            self._check_healthy()
+            msg = reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs)
+            ipc.send(self._to_scheduler, msg)
+            sent = True
+            async for out in self._wait(states, obj.stream):
+                yield out
+        finally:
+            self._release(states, sent)
+
+    def _register(self, items: list[Item], obj: GenerateReqInput) -> list[ReqState]:
+        for item in items:
+            if item.rid in self.rid_to_state:
+                raise RequestError(f"a request with id {item.rid!r} is in flight", param="rid")
+        updates: asyncio.Queue[ReqState] = asyncio.Queue()
+        group_rid = obj.rid if isinstance(obj.rid, str) else None
+        states = [ReqState(it.rid, group_rid, it.index, updates) for it in items]
+        for state in states:
+            self.rid_to_state[state.rid] = state
+        return states
+
+    async def _build_reqs(
+        self, items: list[Item], obj: GenerateReqInput, states: list[ReqState]
+    ) -> list[TokenizedGenerateReqInput]:
+        prompt_ids = await self._prompt_ids(items)
+        session = _session_params(obj.session_params)
+        param = "text" if obj.text is not None else "input_ids"
+        reqs = []
+        for item, state in zip(items, states, strict=True):
+            ids = prompt_ids[item.prompt_index]
+            self._validate_prompt(ids, param, obj)
+            self._resolve_max_new_tokens(item, len(ids))
+            state.prompt_ids, state.logprob_start_len = ids, obj.logprob_start_len
+            state.meta["prompt_tokens"] = len(ids)
+            reqs.append(
+                TokenizedGenerateReqInput(
+                    rid=item.rid, input_ids=ids, sampling_params=item.params,
+                    return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
+                    top_logprobs_num=obj.top_logprobs_num, stream=obj.stream,
+                    session_params=session, timeout=obj.timeout, reply_to=self._reply_to,
+                    created_time=time.time(),
+                )
+            )  # fmt: skip
+        return reqs
+
+    async def _prompt_ids(self, items: list[Item]) -> dict[int, list[int]]:
+        """Token ids of every distinct prompt, keyed by prompt index; texts encoded in a thread."""
+        prompts = {it.prompt_index: it.prompt for it in items}
+        texts = {p: t for p, t in prompts.items() if isinstance(t, str)}
+        ids = {p: list(t) for p, t in prompts.items() if not isinstance(t, str)}
+        if texts:
+            encoded = await self._run(self._encode_many, list(texts.values()))
+            ids.update(zip(texts, encoded, strict=True))
+        return ids
+
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        if len(texts) == 1:
+            return [self.tokenizer.encode(texts[0])]
+        return [list(x) for x in self.tokenizer(texts)["input_ids"]]
+
+    def _validate_prompt(self, ids: list[int], param: str, obj: GenerateReqInput) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty", param=param)
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise RequestError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", param=param
+            )
+        if obj.return_logprob and obj.logprob_start_len > len(ids):
+            raise RequestError(
+                f"logprob_start_len {obj.logprob_start_len} is past the prompt ({len(ids)} tokens)",
+                param="logprob_start_len",
+            )
+
+    def _resolve_max_new_tokens(self, item: Item, prompt_len: int) -> None:
+        """Checks prompt + completion against the context and the KV pool; fills an absent
+        max_new_tokens with all the room there is."""
+        params, ctx = item.params, self.context_len
+        if params.max_new_tokens is None:
+            if prompt_len >= ctx:
+                raise _context_error(
+                    f"This model's maximum context length is {ctx} tokens. However, your "
+                    f"messages resulted in {prompt_len} tokens, which leaves no room for the "
+                    "completion. Please reduce the length of the messages."
+                )
+            params.max_new_tokens = max(min(ctx, self.max_total_tokens) - prompt_len, 1)
+        total = prompt_len + params.max_new_tokens
+        if total > ctx:
+            raise _context_error(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{total} tokens ({prompt_len} in the messages, {params.max_new_tokens} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+        if total > self.max_total_tokens:
+            raise RequestError(
+                f"the request needs {total} tokens of KV cache but the server's pool holds "
+                f"{self.max_total_tokens} (the server can raise --max-total-tokens)",
+                param="max_new_tokens",
+            )
+
+    async def _wait(self, states: list[ReqState], stream: bool) -> AsyncIterator[dict[str, Any]]:
+        updates = states[0].updates
+        remaining = len(states)
+        while remaining:
+            state = await updates.get()
+            state.queued = False
+            if state.finished:
+                remaining -= 1
+                yield output_dict(state)
+            elif stream:
+                yield output_dict(state)
+
+    def _release(self, states: list[ReqState], sent: bool) -> None:
+        for state in states:
+            if self.rid_to_state.get(state.rid) is state:
+                del self.rid_to_state[state.rid]
+        if sent and self.is_healthy:
+            for state in states:
+                if not state.finished:
+                    self._send_abort(AbortReq(rid=state.rid))
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request (its rid, or the rid the client gave a batch / n > 1 request) or
+        all; each aborted rid finishes with finish_reason type "abort"."""
+        if abort_all:
+            self._send_abort(AbortReq(abort_all=True))
+            return
+        if not rid:
+            raise RequestError("give a rid or abort_all", param="rid")
+        rids = [s.rid for s in self.rid_to_state.values() if rid in (s.rid, s.group_rid)]
+        for r in rids or [rid]:
+            self._send_abort(AbortReq(rid=r))
+
+    def _send_abort(self, msg: AbortReq) -> None:
+        ipc.send(self._to_scheduler, msg)
+        ipc.send(self._to_detokenizer, msg)
+
+    # ---- receiving ------------------------------------------------------------------------
+
+    async def _handle_loop(self) -> None:
+        while True:
+            frames = await self._recv_sock.recv_multipart()
+            try:
+                self._dispatch(ipc.decode(frames))
+            except Exception:  # this loop must outlive any one bad message
+                logger.exception("failed to handle a message from the detokenizer")
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchStrOutput):
+            self._handle_batch_output(msg)
+        elif isinstance(msg, InternalStateReply):
+            _resolve_first(self._state_waiters, msg)
+        elif isinstance(msg, FlushCacheReply):
+            _resolve_first(self._flush_waiters, msg)
+        else:
+            logger.error("dropped a message of unexpected type %s", type(msg).__name__)
+
+    def _handle_batch_output(self, out: BatchStrOutput) -> None:
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:  # its consumer is gone; the abort is on its way
+                continue
+            merge_update(state, out, i)
+            if state.finished:
+                del self.rid_to_state[rid]
+            state.notify()
+
+    # ---- other services -------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        return chat.apply_chat_template(
+            self.tokenizer, messages, tools, chat_template_kwargs, add_generation_prompt
+        )
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise RequestError("the text to tokenize must be a string", param="prompt")
+        return await self._run(
+            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        )
+
+    async def detokenize(self, ids: list[int]) -> str:
+        size = len(self.tokenizer)
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < size for t in ids):
+            raise RequestError(f"tokens must be a list of ids in [0, {size})", param="tokens")
+        return await self._run(self.tokenizer.decode, ids)
+
+    async def get_internal_state(self) -> dict[str, Any]:
+        reply = await self._control(GetInternalStateReq(), self._state_waiters)
+        state = msgspec.structs.asdict(reply.state)
+        state["num_req_states"] = len(self.rid_to_state)
+        state["num_detokenizer_states"] = reply.num_detokenizer_states
+        return state
+
+    async def flush_cache(self) -> bool:
+        """True if the radix cache was emptied; False (nothing done) while requests run."""
+        reply = await self._control(FlushCacheReq(), self._flush_waiters)
+        return reply.success
+
+    async def _control(self, msg: Any, waiters: deque[asyncio.Future[Any]]) -> Any:
+        self._check_healthy()
+        fut = asyncio.get_running_loop().create_future()
+        waiters.append(fut)
+        ipc.send(self._to_scheduler, msg)
+        try:
+            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+        except TimeoutError:
+            raise _unavailable(
+                f"the scheduler did not answer in {CONTROL_TIMEOUT_S:.0f} s"
+            ) from None
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _check_healthy(self) -> None:
+        if not self.is_healthy:
+            raise _unavailable("the server is shutting down after a process failure")
+
+
+def _resolve_first(waiters: deque[asyncio.Future[Any]], reply: Any) -> None:
+    if not waiters:
+        logger.warning("dropped an unexpected %s", type(reply).__name__)
+        return
+    fut = waiters.popleft()
+    if not fut.done():  # a caller that timed out leaves its done future in line
+        fut.set_result(reply)
+
+
+def _session_params(params: dict[str, Any] | None) -> SessionParams | None:
+    if params is None:
+        return None
+    try:
+        return msgspec.convert(params, SessionParams, strict=False)
+    except msgspec.ValidationError as e:
+        raise RequestError(f"invalid session_params: {e}", param="session_params") from e
+
+
+def _context_error(message: str) -> RequestError:
+    return RequestError(message, code="context_length_exceeded", param="messages")
+
+
+def _unavailable(message: str) -> RequestError:
+    return RequestError(message, status_code=503, code="service_unavailable")

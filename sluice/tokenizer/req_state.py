@@ -1,0 +1,101 @@
+"""ReqState: what the HTTP process knows of one live rid, and how updates fold into it.
+
+The dicts handed to `generate_request`'s consumer are built here (`output_dict`); their format
+is the TokenizerManager's contract with the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.messages import BatchStrOutput, FinishReason
+
+_FINISH_FIELDS = FinishReason.__struct_fields__
+
+
+@dataclass(eq=False)
+class ReqState:
+    """What the HTTP process knows of one live rid (one (prompt, sample) item)."""
+
+    rid: str
+    group_rid: str | None  # the client's rid of the whole request, when it gave one
+    index: int
+    # every state of one generate_request call shares this queue; a state is in it at most
+    # once (`queued`), and is put there whenever it has news for the consumer
+    updates: asyncio.Queue[ReqState]
+    created_time: float = field(default_factory=time.monotonic)
+    prompt_ids: list[int] = field(default_factory=list)
+    logprob_start_len: int = -1
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    queued: bool = False
+    sent_text_len: int = 0  # characters of `text` already yielded
+    sent_logprob_len: int = 0  # entries of output_token_logprobs already yielded
+
+    def __post_init__(self) -> None:
+        self.meta = {
+            "id": self.rid, "finish_reason": None, "prompt_tokens": 0, "completion_tokens": 0,
+            "cached_tokens": 0, "output_token_logprobs": [], "output_top_logprobs": [],
+            "input_token_logprobs": [], "input_top_logprobs": [],
+        }  # fmt: skip
+
+    def notify(self) -> None:
+        if not self.queued:
+            self.queued = True
+            self.updates.put_nowait(self)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.finished = True
+        self.meta["finish_reason"] = {f: getattr(reason, f) for f in _FINISH_FIELDS}
+        self.meta["e2e_latency"] = time.monotonic() - self.created_time
+
+
+def merge_update(state: ReqState, out: BatchStrOutput, i: int) -> None:
+    """Fold update `i` of `out` into `state`: text, ids, counts, cumulative logprobs, finish."""
+    new_ids = out.new_token_ids[i]
+    state.text += out.texts[i]
+    state.output_ids.extend(new_ids)
+    meta = state.meta
+    meta["prompt_tokens"] = out.prompt_tokens[i]
+    meta["completion_tokens"] = out.completion_tokens[i]
+    meta["cached_tokens"] = out.cached_tokens[i]
+    if out.output_token_logprobs[i]:
+        meta["output_token_logprobs"].extend(
+            zip(out.output_token_logprobs[i], new_ids, strict=False)
+        )
+        meta["output_top_logprobs"].extend(_top_pairs(t) for t in out.output_top_logprobs[i])
+    if out.input_token_logprobs[i]:
+        # entry k is the logprob of prompt position logprob_start_len + k
+        start = max(state.logprob_start_len, 0) + len(meta["input_token_logprobs"])
+        ids = state.prompt_ids[start:]
+        meta["input_token_logprobs"].extend(zip(out.input_token_logprobs[i], ids, strict=False))
+        meta["input_top_logprobs"].extend(_top_pairs(t) for t in out.input_top_logprobs[i])
+    reason = out.finished_reasons[i]
+    if reason is not None:
+        state.finish(reason)
+
+
+def _top_pairs(top: Any) -> list[tuple[float, int]] | None:
+    return None if top is None else list(zip(top.logprobs, top.token_ids, strict=True))
+
+
+def output_dict(state: ReqState) -> dict[str, Any]:
+    """The dict yielded for `state`. The logprob lists inside `meta_info` are the state's own
+    growing lists (copying them per update would cost O(n^2)): read their new tail, the last
+    `new_logprob_count` entries, before asking for the next update."""
+    num_logprobs = len(state.meta["output_token_logprobs"])
+    out = {
+        "index": state.index,
+        "text": state.text,
+        "delta": state.text[state.sent_text_len :],
+        "output_ids": list(state.output_ids),
+        "meta_info": dict(state.meta),
+        "new_logprob_count": num_logprobs - state.sent_logprob_len,
+    }
+    state.sent_text_len, state.sent_logprob_len = len(state.text), num_logprobs
+    return out

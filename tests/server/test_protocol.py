@@ -1,0 +1,131 @@
+"""Request models and their conversion into GenerateReqInput."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from sluice.config import ServerArgs
+from sluice.server.app import create_app
+from sluice.server.logprobs import TokenText, chat_logprobs, legacy_logprobs
+from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.serving_chat import OpenAIServingChat
+from sluice.server.serving_completions import OpenAIServingCompletion
+
+
+def _chat(**kw):
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **kw}
+    )
+
+
+def test_sampling_params_use_sglang_names_and_only_given_fields() -> None:
+    req = _chat(
+        temperature=0, top_p=0, top_k=5, min_p=0.1, seed=7, stop="x", presence_penalty=1,
+        frequency_penalty=-1, repetition_penalty=1.1, logit_bias={"12": -100}, min_tokens=2,
+        ignore_eos=True, skip_special_tokens=False, n=2, unknown_field="ignored",
+    )  # fmt: skip
+    assert req.sampling_params() == {
+        "temperature": 0, "top_p": 0, "top_k": 5, "min_p": 0.1, "seed": 7, "stop": ["x"],
+        "presence_penalty": 1, "frequency_penalty": -1, "repetition_penalty": 1.1,
+        "logit_bias": {12: -100}, "min_new_tokens": 2, "ignore_eos": True,
+        "skip_special_tokens": False, "n": 2,
+    }  # fmt: skip
+    assert _chat().sampling_params() == {"n": 1}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [({"max_tokens": 9}, 9), ({"max_completion_tokens": 7}, 7),
+     ({"max_tokens": 9, "max_completion_tokens": 7}, 7),
+     ({"max_tokens": 5, "max_completion_tokens": 7}, 5), ({}, None)],
+)  # fmt: skip
+def test_max_tokens_synonyms_smaller_wins(fields: dict, expected: int | None) -> None:
+    assert _chat(**fields).sampling_params().get("max_new_tokens") == expected
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"max_tokens": -1}, {"top_p": 1.5}, {"n": 0}, {"logit_bias": {"abc": 1}},
+     {"top_logprobs": 3}, {"messages": []}, {"temperature": "hot"}],
+)  # fmt: skip
+def test_invalid_chat_fields_rejected(fields: dict) -> None:
+    with pytest.raises(ValidationError):
+        _chat(**fields)
+
+
+def test_content_parts_are_joined_for_the_template() -> None:
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "name": "bob",
+        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})  # fmt: skip
+    assert req.template_messages() == [{"role": "user", "name": "bob", "content": "a\nb"}]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kind"),
+    [("x", str), (["x", "y"], str), ([1, 2], int), ([[1], [2, 3]], list)],
+)
+def test_completion_prompt_kinds(prompt: object, kind: type) -> None:
+    req = CompletionRequest.model_validate({"prompt": prompt})
+    assert req.prompt == prompt
+    assert isinstance(req.prompt if isinstance(prompt, str) else req.prompt[0], kind)
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], None, 5])
+def test_completion_bad_prompts(prompt: object) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": prompt})
+
+
+def _serving(fake_tm, cls):
+    app = create_app(fake_tm, ServerArgs())
+    return cls(app.state.ctx)
+
+
+def test_chat_convert(fake_tm) -> None:
+    serving = _serving(fake_tm, OpenAIServingChat)
+    req = _chat(logprobs=True, top_logprobs=2, stream=True, max_tokens=3)
+    obj = asyncio.run(serving.convert(req))
+    assert obj.text == "hi" and obj.input_ids is None
+    assert obj.return_logprob and obj.top_logprobs_num == 2 and obj.stream
+    assert obj.sampling_params["max_new_tokens"] == 3
+    assert isinstance(obj.rid, str) and len(obj.rid) == 32
+
+
+@pytest.mark.parametrize(
+    ("fields", "start", "text", "ids"),
+    [({"prompt": [[1, 2], [3]]}, -1, None, [[1, 2], [3]]),
+     ({"prompt": "ab", "echo": True, "logprobs": 1}, 0, "ab", None),
+     ({"prompt": ["a", "b"], "logprobs": 0}, -1, ["a", "b"], None)],
+)  # fmt: skip
+def test_completion_convert(fake_tm, fields: dict, start: int, text: object, ids: object) -> None:
+    serving = _serving(fake_tm, OpenAIServingCompletion)
+    obj = asyncio.run(serving.convert(CompletionRequest.model_validate(fields)))
+    assert (obj.text, obj.input_ids, obj.logprob_start_len) == (text, ids, start)
+    assert obj.return_logprob == ("logprobs" in fields)
+
+
+def test_logprob_shapes(fake_tm) -> None:
+    tt = TokenText(fake_tm.tokenizer)
+    chat = chat_logprobs(tt, [(-0.5, 4), (float("-inf"), 13)], [[(-0.5, 4)], []])
+    assert chat["refusal"] is None
+    assert chat["content"][0] == {"token": "Hel", "logprob": -0.5, "bytes": list(b"Hel"),
+        "top_logprobs": [{"token": "Hel", "logprob": -0.5, "bytes": list(b"Hel")}]}  # fmt: skip
+    assert chat["content"][1]["logprob"] == -9999.0
+    assert chat["content"][1]["bytes"] == list("你".encode())
+    legacy = legacy_logprobs(tt, [(None, 10), (-1.0, 11)], [None, [(-1.0, 11)]], 1, 3)
+    assert legacy == {"tokens": ["a", "b"], "token_logprobs": [None, -1.0],
+        "top_logprobs": [None, {"b": -1.0}], "text_offset": [3, 4]}  # fmt: skip
+    assert legacy_logprobs(tt, [(-1.0, 11)], [[]], 0)["top_logprobs"] is None
+
+
+def test_byte_level_bpe_token_bytes() -> None:
+    class ByteLevel:
+        def decode(self, ids, skip_special_tokens=True):
+            return "\ufffd"
+
+        def convert_ids_to_tokens(self, token_id):
+            return "Ã¤"  # byte-level form of b"\xc3\xa4"
+
+    assert TokenText(ByteLevel()).bytes(0) == "ä".encode()

@@ -1,0 +1,228 @@
+"""Process plumbing: the CLI, start-up failures, the watchdog, and stopping without orphans.
+
+The server tests run the real `python -m sluice serve` and look at its process tree with psutil.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from sluice.config import ServerArgs
+from sluice.launch import ServingProcesses
+from sluice.messages import (
+    AbortReq,
+    BatchTokenizedGenerateReqInput,
+    ReadyMsg,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+)
+from sluice.tokenizer.generate_input import GenerateReqInput
+from sluice.tokenizer.manager import RequestError
+from sluice.utils import ipc
+
+SERVE = [sys.executable, "-m", "sluice", "serve"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+# ---- framing --------------------------------------------------------------------------------
+
+
+def test_messages_roundtrip_typed_and_malformed_frames_are_rejected() -> None:
+    req = TokenizedGenerateReqInput(
+        rid="r", input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4, stop=["x"])
+    )
+    batch = BatchTokenizedGenerateReqInput([req, req])
+    for msg in (req, batch, AbortReq(rid="r"), ReadyMsg("scheduler", info={"a": 1})):
+        frames = ipc.encode(msg)
+        assert frames[0] == type(msg).__name__.encode()
+        assert ipc.decode(frames) == msg
+    for frames in ([b"AbortReq"], [b"Nope", b"\x80"], [b"AbortReq", b"\xc1"]):
+        with pytest.raises(ValueError):
+            ipc.decode(frames)
+    with pytest.raises(TypeError):
+        ipc.encode(ServerArgs())  # type: ignore[arg-type]
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def test_help_lists_the_command_and_its_options() -> None:
+    top = _run([sys.executable, "-m", "sluice", "--help"])
+    assert top.returncode == 0 and "serve" in top.stdout
+    serve = _run([*SERVE, "--help"])
+    assert serve.returncode == 0
+    for option in ("--model-path", "--max-total-tokens", "--port", "--context-length"):
+        assert option in serve.stdout
+    assert _run([sys.executable, "-m", "sluice"]).returncode == 2
+
+
+def test_missing_model_exits_with_a_message() -> None:
+    res = _run([*SERVE, "--model-path", "/nonexistent/model", "--port", str(_free_port())])
+    assert res.returncode == 1
+    assert "does not exist" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_busy_port_fails_before_loading_the_model() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        res = _run([*SERVE, "--port", str(busy.getsockname()[1])], timeout=30)
+    assert res.returncode == 1 and "cannot listen on 127.0.0.1" in res.stderr
+    assert "sluice::scheduler" not in res.stderr  # no child was started
+
+
+def test_child_start_failure_reports_its_traceback(tiny_llama_dir: str) -> None:
+    cmd = [*SERVE, "--model-path", tiny_llama_dir, "--dtype", "bogus", "--port", str(_free_port())]
+    res = _run(cmd)
+    assert res.returncode == 1
+    assert "scheduler process failed to start" in res.stderr
+    assert "Traceback" in res.stderr and "unknown dtype 'bogus'" in res.stderr
+
+
+# ---- watchdog, in process -----------------------------------------------------------------
+
+
+def test_dead_scheduler_fails_requests_with_503(tiny_llama_dir: str) -> None:
+    deaths: list[str] = []
+
+    async def go() -> None:
+        procs = ServingProcesses(ServerArgs(model_path=tiny_llama_dir), deaths.append)
+        async with procs as tm:
+            params = {"max_new_tokens": 500, "ignore_eos": True}
+            gen = tm.generate_request(
+                GenerateReqInput(text="x", sampling_params=params, stream=True)
+            )
+            await gen.__anext__()
+            os.kill(procs.pid_of("scheduler"), signal.SIGKILL)
+            killed = time.monotonic()
+            last = [o async for o in gen][-1]
+            assert time.monotonic() - killed < 3.0
+            reason = last["meta_info"]["finish_reason"]
+            assert (reason["type"], reason["status_code"]) == ("abort", 503)
+            assert not tm.is_healthy and not tm.rid_to_state
+            with pytest.raises(RequestError) as info:
+                await tm.generate_request(GenerateReqInput(text="y")).__anext__()
+            assert info.value.status_code == 503
+            with pytest.raises(RequestError):
+                await tm.get_internal_state()
+            detokenizer = psutil.Process(procs.pid_of("detokenizer"))
+        assert not detokenizer.is_running() or detokenizer.status() == psutil.STATUS_ZOMBIE
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+    assert len(deaths) == 1 and "scheduler" in deaths[0] and "-9" in deaths[0]
+
+
+# ---- the real server ----------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, model_path: str | None, tmp_path: Any) -> None:
+        self.port = _free_port()
+        self.log = tmp_path / "server.log"
+        cmd = [*SERVE, "--port", str(self.port), "--max-total-tokens", "4096"]
+        if model_path is not None:
+            cmd += ["--model-path", model_path]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.ps = psutil.Process(self.proc.pid)
+
+    def wait_healthy(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).is_success:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(self.log.read_text())
+
+    def children(self) -> dict[str, psutil.Process]:
+        kids = self.ps.children(recursive=True)
+        return {" ".join(p.cmdline()): p for p in kids}
+
+    def child(self, title: str) -> psutil.Process:
+        return next(p for cmd, p in self.children().items() if cmd.startswith(title))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def start_server(tmp_path: Any) -> Iterator[Any]:
+    servers: list[Server] = []
+
+    def start(model_path: str | None) -> Server:
+        servers.append(Server(model_path, tmp_path))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def _assert_gone(procs: list[psutil.Process], timeout: float = 5) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    assert not alive, f"orphaned: {alive}"
+
+
+def test_sigterm_stops_everything_cleanly(start_server: Any) -> None:
+    server = start_server(None)  # the default model, once
+    started = time.monotonic()
+    server.wait_healthy()
+    assert server.ps.cmdline()[0] == "sluice::http"
+    scheduler, detokenizer = server.child("sluice::scheduler"), server.child("sluice::detokenizer")
+    # no compute pools outside the scheduler: the main thread plus a few helpers
+    assert detokenizer.num_threads() <= 5
+    assert f"http://127.0.0.1:{server.port}" in server.log.read_text()
+    assert "KV pool" in server.log.read_text()
+    print(f"default model served after {time.monotonic() - started:.1f} s")
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    _assert_gone([scheduler, detokenizer])
+
+
+def test_killed_scheduler_makes_the_server_exit_nonzero(
+    start_server: Any, tiny_llama_dir: str
+) -> None:
+    server = start_server(tiny_llama_dir)
+    server.wait_healthy()
+    scheduler, detokenizer = server.child("sluice::scheduler"), server.child("sluice::detokenizer")
+    scheduler.send_signal(signal.SIGKILL)
+    assert server.proc.wait(20) != 0
+    assert "scheduler process died" in server.log.read_text()
+    _assert_gone([scheduler, detokenizer])
+
+
+def test_children_exit_when_the_server_is_killed(start_server: Any, tiny_llama_dir: str) -> None:
+    server = start_server(tiny_llama_dir)
+    server.wait_healthy()
+    children = list(server.children().values())
+    assert len(children) >= 2
+    server.proc.kill()  # SIGKILL: no cleanup in the parent at all
+    server.proc.wait(10)
+    _assert_gone(children)

@@ -30,11 +30,14 @@ Prompt = str | list[int]
 def parse_sampling_params(params: dict[str, Any] | None) -> SamplingParams:
     """A SamplingParams from a plain dict (unknown keys are an error, as are wrong types)."""
     params = dict(params or {})
+    unknown = set(params) - set(SamplingParams.__struct_fields__)
+    if unknown:
+        raise ValueError(f"unknown sampling parameters: {', '.join(sorted(unknown))}")
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
     if params.get("logit_bias"):
         params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
-    return msgspec.convert(params, SamplingParams, strict=False)
+    return msgspec.convert(params, SamplingParams)
 
 
 class Engine:
@@ -92,6 +95,8 @@ class Engine:
         items: Any = prompt if prompt is not None else input_ids
         single = isinstance(items, str) or (bool(items) and isinstance(items[0], int))
         items = [items] if single else list(items)
+        if not items:
+            raise ValueError("no prompt given")
         return [self._encode(x) for x in items], single
 
     def _encode(self, p: Prompt) -> list[int]:

@@ -74,8 +74,8 @@ class AbortReq(msgspec.Struct, omit_defaults=True):
 class FinishReason(msgspec.Struct, omit_defaults=True):
     """Why a request ended. type: "stop" | "length" | "abort".
 
-    For "stop", `matched` is the stop token id (int) or stop string (str) that matched, or None
-    for EOS. For "abort", `message`, `status_code` and `code` describe the error to return.
+    For "stop", `matched` is the token id (EOS or a stop token id) or the stop string that
+    matched. For "abort", `message`, `status_code` and `code` describe the error to return.
     """
 
     type: str
@@ -147,6 +147,7 @@ class InternalState(msgspec.Struct):
     kv_cached: int
     kv_in_use: int
     last_heartbeat: float
+    num_retractions: int = 0
 
 
 class ReadyMsg(msgspec.Struct):

@@ -51,7 +51,7 @@ def run_prefill(sched: Scheduler, reqs: list[Req]) -> None:
         [r.extend_len for r in reqs], slots, r2t, [r.req_pool_idx for r in reqs], logits_rows,
         sched.runner.device,
     )  # fmt: skip
-    logits = sched.runner.forward(fb)
+    logits = _forward(sched, fb, slots)
     for req in reqs:
         req.kv_committed_len += req.extend_len
     if spans:
@@ -70,10 +70,19 @@ def run_decode(sched: Scheduler, reqs: list[Req]) -> None:
         ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], cols.tolist(), [1] * len(reqs),
         slots, r2t, rows.tolist(), list(range(len(reqs))), sched.runner.device,
     )  # fmt: skip
-    logits = sched.runner.forward(fb)
+    logits = _forward(sched, fb, slots)
     for req in reqs:
         req.kv_committed_len += 1
     _sample_and_append(sched, reqs, logits)
+
+
+def _forward(sched: Scheduler, fb: ForwardBatch, slots: torch.Tensor) -> torch.Tensor:
+    """Run the model; on failure give this step's slots back (nobody has committed them)."""
+    try:
+        return sched.runner.forward(fb)
+    except Exception:
+        sched.allocator.free(slots)
+        raise
 
 
 def _input_logprobs(logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> None:

@@ -35,8 +35,9 @@ def resolve_resources(args: ServerArgs, cfg: ModelConfig) -> Resources:
     num_threads = args.num_threads or available_cpus()
     context_len = args.context_length or cfg.max_position_embeddings
     if context_len > cfg.max_position_embeddings:
-        logger.warning(
-            "--context-length %d exceeds the model's %d", context_len, cfg.max_position_embeddings
+        raise ValueError(
+            f"--context-length {context_len} exceeds the model's maximum of "
+            f"{cfg.max_position_embeddings} positions"
         )
     per_token = KVCache.bytes_per_token(
         cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype

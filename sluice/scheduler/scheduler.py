@@ -63,6 +63,7 @@ class Scheduler:
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.last_heartbeat = time.monotonic()
         self.num_forward_steps = 0
+        self.num_retractions = 0
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -86,7 +87,8 @@ class Scheduler:
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         if p.max_new_tokens is None:
-            p.max_new_tokens = max(self.context_len - len(msg.input_ids), 0)
+            limit = min(self.context_len, self.allocator.size)
+            p.max_new_tokens = max(limit - len(msg.input_ids), 0)
         return Req(
             msg.rid, list(msg.input_ids), p, seed, stop_ids,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
@@ -159,7 +161,7 @@ class Scheduler:
         admitted = {id(r) for r in adder.can_run}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         self._ensure_free(sum(r.extend_len for r in adder.can_run))
-        run_prefill(self, adder.can_run)
+        self._run_guarded(run_prefill, adder.can_run)
         self.num_forward_steps += 1
         self.chunked_req = None
         for req in adder.can_run:
@@ -174,12 +176,27 @@ class Scheduler:
 
     def _step_decode(self) -> None:
         self._make_room_for_decode()
-        run_decode(self, self.running)
+        self._run_guarded(run_decode, self.running)
         self.num_forward_steps += 1
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(
             NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
+
+    def _run_guarded(self, run, reqs: list[Req]) -> None:
+        """A failing forward ends the requests of that batch with a 500, never the process."""
+        try:
+            run(self, reqs)
+        except Exception as exc:
+            logger.exception("forward failed; aborting the %d requests of the batch", len(reqs))
+            reason = FinishReason(
+                type="abort", message=f"internal error: {type(exc).__name__}: {exc}",
+                status_code=500, code="internal_error",
+            )  # fmt: skip
+            for req in reqs:
+                if not req.is_finished:
+                    self.touched.append(req)
+                    self.finish(req, reason)
 
     # ---- per-request results (called by batch.run_*) --------------------------------------
 
@@ -247,6 +264,7 @@ class Scheduler:
             self.reqs[victim.rid] = victim
             victim.reset_for_retract()
             retracted.append(victim)
+        self.num_retractions += len(retracted)
         self.waiting = retracted + self.waiting
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         logger.info(
@@ -283,7 +301,7 @@ class Scheduler:
             num_running_reqs=len(self.running) + (self.chunked_req is not None),
             num_waiting_reqs=len(self.waiting),
             kv_total=total, kv_free=free, kv_cached=cached, kv_in_use=total - free - cached,
-            last_heartbeat=self.last_heartbeat,
+            last_heartbeat=self.last_heartbeat, num_retractions=self.num_retractions,
         )  # fmt: skip
 
     def check_idle_invariant(self) -> None:

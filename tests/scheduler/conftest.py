@@ -92,6 +92,8 @@ def check_pool_whole(engine: Engine) -> None:
     expected = torch.arange(1, sched.allocator.size + 1, dtype=slots.dtype)
     assert torch.equal(slots.sort().values, expected), "a KV slot is lost or owned twice"
     assert engine.detokenizer.num_states() == 0, "detokenizer state left behind"
+    state = sched.internal_state()
+    assert (state.num_running_reqs, state.num_waiting_reqs, state.kv_in_use) == (0, 0, 0)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class RawResult:
     finish: FinishReason | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    updates: list[list[int]] = field(default_factory=list)  # new token ids of each update
 
 
 class RawDriver:
@@ -109,10 +112,11 @@ class RawDriver:
         self.sched = engine.scheduler
         self.results: dict[str, RawResult] = {}
 
-    def add(self, rid: str, input_ids: list[int], **params: Any) -> None:
+    def add(self, rid: str, input_ids: list[int], stream: bool = False, **params: Any) -> None:
         msg = TokenizedGenerateReqInput(
-            rid=rid, input_ids=list(input_ids), sampling_params=parse_sampling_params(params)
-        )
+            rid=rid, input_ids=list(input_ids), sampling_params=parse_sampling_params(params),
+            stream=stream,
+        )  # fmt: skip
         self.results[rid] = RawResult()
         self.sched.add_request(msg)
 
@@ -127,6 +131,7 @@ class RawDriver:
             res = self.results.setdefault(rid, RawResult())
             assert res.finish is None, f"{rid} reported after it finished"
             res.output_ids.extend(out.new_token_ids[i])
+            res.updates.append(list(out.new_token_ids[i]))
             res.finish = out.finished_reasons[i]
             res.completion_tokens = out.completion_tokens[i]
             res.cached_tokens = out.cached_tokens[i]
@@ -143,4 +148,3 @@ class RawDriver:
 @pytest.fixture
 def raw() -> Callable[[Engine], RawDriver]:
     return RawDriver
-

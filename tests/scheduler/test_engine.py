@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from sluice.engine import Engine, parse_sampling_params
@@ -96,6 +97,13 @@ def test_shared_prefix_is_reused(sharp_engine: Engine) -> None:
     sharp_engine.generate(input_ids=ids, sampling_params=greedy(1))
     out = sharp_engine.generate(input_ids=ids + [42, 43, 44], sampling_params=greedy(1))
     assert out["meta_info"]["cached_tokens"] == len(ids)
+
+
+def test_identical_prompts_in_one_batch(sharp_engine: Engine) -> None:
+    ids = long_ids(sharp_engine, 50, "Twins")
+    outs = sharp_engine.generate(input_ids=[ids, ids, ids], sampling_params=greedy(8))
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] == outs[2]["output_ids"]
+    assert all(o["meta_info"]["cached_tokens"] < len(ids) for o in outs)
 
 
 def test_disable_radix_cache_same_output(
@@ -191,6 +199,19 @@ def test_lpm_admits_the_longest_cached_prefix_first(
     assert [driver.results[r].completion_tokens for r in ("cold", "warm")] == [3, 3]
 
 
+def test_streaming_updates_add_up_to_the_full_output(sharp_engine: Engine, raw: Any) -> None:
+    ids = long_ids(sharp_engine, 12, "Streaming")
+    want = sharp_engine.generate(input_ids=ids, sampling_params=greedy(9))
+    driver = raw(sharp_engine)
+    driver.add("s", ids, stream=True, **greedy(9))
+    driver.add("n", ids, stream=False, **greedy(9))
+    driver.run()
+    streamed, whole = driver.results["s"], driver.results["n"]
+    assert streamed.updates == [[t] for t in want["output_ids"]]
+    assert whole.updates == [want["output_ids"]]
+    assert streamed.finish.type == whole.finish.type == "length"
+
+
 # ---- abort ----------------------------------------------------------------------------------
 
 
@@ -255,7 +276,9 @@ def test_abort_all(chunk16_engine: Engine, raw: Any) -> None:
         driver.step()
     chunk16_engine.scheduler.abort(AbortReq(abort_all=True))
     driver.run()
-    assert {rid: r.finish.type for rid, r in driver.results.items()} == dict.fromkeys("xyz", "abort")
+    assert {rid: r.finish.type for rid, r in driver.results.items()} == dict.fromkeys(
+        "xyz", "abort"
+    )
 
 
 def test_abort_of_unknown_or_finished_rid_is_harmless(chunk16_engine: Engine, raw: Any) -> None:
@@ -308,7 +331,9 @@ def test_duplicate_rid_is_rejected(small_pool_engine: Engine, raw: Any) -> None:
     driver.add("twin", [1, 2, 3], **greedy(5))
     driver.step()
     params = parse_sampling_params(greedy(2))
-    sched.add_request(TokenizedGenerateReqInput(rid="twin", input_ids=[4, 5], sampling_params=params))
+    sched.add_request(
+        TokenizedGenerateReqInput(rid="twin", input_ids=[4, 5], sampling_params=params)
+    )
     rejected = sched._take_outputs()
     assert rejected is not None and rejected.rids == ["twin"]
     assert rejected.finished_reasons[0].type == "abort"
@@ -318,12 +343,6 @@ def test_duplicate_rid_is_rejected(small_pool_engine: Engine, raw: Any) -> None:
     assert driver.results["twin"].completion_tokens == 5
 
 
-@pytest.mark.xfail(
-    reason="bug: Scheduler._build_req defaults max_new_tokens to context_len - prompt_len (the "
-    "TokenizerManager uses min(context_len, max_total_tokens)), so an Engine request without "
-    "max_new_tokens is rejected whenever the KV pool is smaller than the context",
-    strict=True,
-)
 def test_default_max_new_tokens_fits_a_pool_smaller_than_the_context(
     small_pool_engine: Engine,
 ) -> None:
@@ -332,12 +351,16 @@ def test_default_max_new_tokens_fits_a_pool_smaller_than_the_context(
     assert 0 < out["meta_info"]["completion_tokens"] <= 256 - 3
 
 
-@pytest.mark.xfail(
-    reason="bug: --context-length above max_position_embeddings only logs a warning "
-    "(resources.py) but the rope table is sized to max_position_embeddings (runner.py "
-    "_init_buffers), so a longer prompt raises IndexError inside the forward",
-    strict=True,
-)
+def test_unknown_sampling_params_are_an_error() -> None:
+    with pytest.raises((ValueError, msgspec.ValidationError)):
+        parse_sampling_params({"max_tokens": 5})
+
+
+def test_wrongly_typed_sampling_params_are_an_error() -> None:
+    with pytest.raises((ValueError, msgspec.ValidationError)):
+        parse_sampling_params({"temperature": "hot"})
+
+
 def test_context_length_over_the_model_limit_never_crashes(tiny_llama_dir: str) -> None:
     try:
         engine = Engine(tiny_llama_dir, context_length=1024, max_total_tokens=2048, num_threads=1)

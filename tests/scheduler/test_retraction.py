@@ -11,6 +11,7 @@ import random
 from typing import Any
 
 import pytest
+import torch
 
 import sluice.scheduler.scheduler as scheduler_module
 from sluice.engine import Engine
@@ -49,7 +50,7 @@ def set_new_token_ratio(sched: Scheduler, ratio: float, monkeypatch: pytest.Monk
     sched.new_token_ratio = ratio
 
 
-def prompts_for(engine: Engine) -> list[list[int]]:
+def random_prompts() -> list[list[int]]:
     rng = random.Random(5)
     vocab = range(100, 40000)
     return [[rng.choice(vocab) for _ in range(rng.randint(6, 30))] for _ in range(NUM_REQS)]
@@ -71,7 +72,7 @@ def test_retracted_requests_finish_with_the_same_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     set_new_token_ratio(tight_engine.scheduler, ratio, monkeypatch)
-    prompts = prompts_for(tight_engine)
+    prompts = random_prompts()
     params = [
         greedy(NEW_TOKENS)
         if policy == "greedy"
@@ -92,7 +93,7 @@ def test_retraction_keeps_logprobs_aligned(
     tight_engine: Engine, sharp_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     set_new_token_ratio(tight_engine.scheduler, 0.05, monkeypatch)
-    prompts = prompts_for(tight_engine)
+    prompts = random_prompts()
     want = sharp_engine.generate(
         input_ids=prompts, sampling_params=greedy(NEW_TOKENS), return_logprob=True
     )
@@ -113,7 +114,7 @@ def test_retracted_request_reports_its_original_cached_tokens(
     """cached_tokens counts the prefix hit at first admission, not the re-admissions'."""
     set_new_token_ratio(tight_engine.scheduler, 0.05, monkeypatch)
     tight_engine.scheduler.flush_cache()
-    prompts = prompts_for(tight_engine)
+    prompts = random_prompts()
     tight_engine.generate(input_ids=prompts[0][:5], sampling_params=greedy(1))
     retractions = count_retractions(tight_engine.scheduler)
     got = tight_engine.generate(input_ids=prompts, sampling_params=greedy(NEW_TOKENS))
@@ -127,7 +128,7 @@ def test_abort_of_a_retracted_request(
     sched = tight_engine.scheduler
     set_new_token_ratio(sched, 0.05, monkeypatch)
     driver = raw(tight_engine)
-    for i, ids in enumerate(prompts_for(tight_engine)):
+    for i, ids in enumerate(random_prompts()):
         driver.add(f"q{i}", ids, **greedy(NEW_TOKENS))
     for _ in range(500):
         victims = [r for r in sched.waiting if r.num_retractions > 0]
@@ -207,8 +208,25 @@ def test_random_stress_with_aborts(
         if rng.random() < 0.15 and to_abort & set(stress_engine.scheduler.reqs):
             driver.abort(rng.choice(sorted(to_abort & set(stress_engine.scheduler.reqs))))
         driver.step()
+        check_live_ownership(stress_engine.scheduler)
     assert sum(retractions) > 0
     _check_stress_results(driver.results, workload, sharp_engine)
+
+
+def check_live_ownership(sched: Scheduler) -> None:
+    """Mid-run, each KV slot is free, owned by the tree, or owned by exactly one live request
+    (its committed slots past the cache-protected prefix)."""
+    live = sched.running + ([sched.chunked_req] if sched.chunked_req is not None else [])
+    owned = [sched.allocator.free_slots(), sched.tree.all_slots()]
+    for req in live:
+        owned.append(
+            sched.req_pool.req_to_token[
+                req.req_pool_idx, req.cache_protected_len : req.kv_committed_len
+            ]
+        )
+    slots = torch.cat(owned).sort().values
+    assert torch.equal(slots, torch.arange(1, sched.allocator.size + 1)), "a KV slot leaked"
+    assert all(r.req_pool_idx is None for r in sched.waiting), "a waiting request holds a row"
 
 
 def _check_stress_results(

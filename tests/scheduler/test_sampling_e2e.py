@@ -40,8 +40,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(sharp_engine: Engine) 
 
 def test_seeded_sampling_is_not_greedy_and_seeds_differ(sharp_engine: Engine) -> None:
     outs = [
-        sharp_engine.generate(PROMPT, {**SEEDED, "seed": seed})["output_ids"]
-        for seed in (1, 2, 42)
+        sharp_engine.generate(PROMPT, {**SEEDED, "seed": seed})["output_ids"] for seed in (1, 2, 42)
     ]
     greedy_ids = sharp_engine.generate(PROMPT, greedy(16))["output_ids"]
     assert len({tuple(o) for o in outs}) == 3

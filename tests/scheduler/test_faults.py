@@ -1,0 +1,39 @@
+"""A failing forward ends only the requests of its batch, with a 500, and leaks nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice import Engine
+
+
+def test_forward_exception_aborts_the_batch_and_the_engine_keeps_serving(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = tiny_engine.scheduler.runner
+    real_forward = runner.forward
+    calls = {"n": 0}
+
+    def failing_forward(fb):
+        calls["n"] += 1
+        if calls["n"] == 3:  # fail a decode step, after slots were allocated for it
+            raise RuntimeError("injected fault")
+        return real_forward(fb)
+
+    monkeypatch.setattr(runner, "forward", failing_forward)
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    outs = tiny_engine.generate(input_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params=params)
+    for out in outs:
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort"
+        assert reason["status_code"] == 500
+        assert "injected fault" in reason["message"]
+    tiny_engine.scheduler.check_idle_invariant()
+    monkeypatch.setattr(runner, "forward", real_forward)
+    again = tiny_engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+    assert again["meta_info"]["completion_tokens"] == 8
+
+
+def test_context_length_beyond_the_model_is_refused_at_start(tiny_llama_dir: str) -> None:
+    with pytest.raises(ValueError, match="exceeds the model's maximum of 512"):
+        Engine(tiny_llama_dir, context_length=1024, max_total_tokens=2048, num_threads=1)

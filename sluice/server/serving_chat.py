@@ -35,8 +35,10 @@ class OpenAIServingChat(OpenAIServingBase):
             chat_template_kwargs=req.chat_template_kwargs,
             add_generation_prompt=req.add_generation_prompt,
         )
+        # the template already holds the special tokens (BOS, role markers): add none again
+        input_ids = await self.tm.tokenize(text, add_special_tokens=False)
         return GenerateReqInput(
-            text=text,
+            input_ids=input_ids,
             sampling_params=req.sampling_params(),
             rid=req.rid or new_rid(),
             return_logprob=req.logprobs,

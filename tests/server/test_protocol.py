@@ -87,7 +87,8 @@ def test_chat_convert(fake_tm) -> None:
     serving = _serving(fake_tm, OpenAIServingChat)
     req = _chat(logprobs=True, top_logprobs=2, stream=True, max_tokens=3)
     obj = asyncio.run(serving.convert(req))
-    assert obj.text == "hi" and obj.input_ids is None
+    # the templated text is tokenized without adding special tokens a second time
+    assert obj.text is None and obj.input_ids == fake_tm.tokenizer.encode("hi")
     assert obj.return_logprob and obj.top_logprobs_num == 2 and obj.stream
     assert obj.sampling_params["max_new_tokens"] == 3
     assert isinstance(obj.rid, str) and len(obj.rid) == 32

@@ -1,0 +1,500 @@
+"""Serving benchmark: sluice's server vs llama.cpp's llama-server vs the in-process sluice.Engine.
+
+C concurrent streaming clients (closed loop: each sends its next request when the previous one
+ends) drive `/v1/completions` with token-id prompts; every system gets the same prompts and must
+produce exactly the requested number of output tokens (EOS ignored). Workloads:
+
+    decode-heavy   ~20 prompt tokens, 128 output tokens
+    mixed          ~150 prompt tokens, 64 output tokens
+    shared-prefix  a 450-token common prefix + ~30 own tokens, 32 output tokens
+
+Only one system runs at a time: each server is a subprocess started, health-checked, warmed up,
+measured and killed (its whole process group) before the next one; the Engine runs in a
+subprocess too. Prints per workload a table of the three systems with output tok/s, req/s, TTFT
+and inter-token latency percentiles, and the ratios sluice-server / llama-server and
+sluice-server / sluice-Engine.
+
+    .venv/bin/python benchmarks/serving.py [--workloads decode-heavy,mixed,shared-prefix]
+        [--num-requests N] [--concurrency 32] [--skip-llama-server] [--skip-engine]
+        [--sluice-args "--max-total-tokens 40000"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+WORDS = (
+    "the of and to in is was for on that with as by at from his her are were this which be or "
+    "river mountain engine lantern quietly carefully number garden window story music silver "
+    "across beneath during without history science market winter summer harbor island bridge"
+).split()
+LLAMA_CTX_PER_SLOT = 640  # tokens of llama-server context per parallel slot
+WARMUP_REQUESTS = 2
+WARMUP_OUTPUT = 8
+HEALTH_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompt_len: int  # own tokens per request
+    output_len: int
+    shared_len: int = 0  # common prefix tokens, identical across the workload's requests
+    num_requests: int = 64
+
+    def describe(self) -> str:
+        own = f"~{self.prompt_len} prompt tokens"
+        if self.shared_len:
+            own = f"{self.shared_len} shared + {own}"
+        return f"{own}, {self.output_len} output tokens"
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("decode-heavy", prompt_len=20, output_len=128),
+        Workload("mixed", prompt_len=150, output_len=64),
+        Workload("shared-prefix", prompt_len=30, output_len=32, shared_len=450),
+    )
+}
+
+
+@dataclass
+class RequestStats:
+    ttft: float  # seconds from sending to the first token chunk
+    itls: list[float]  # gaps between consecutive token chunks, seconds
+    output_tokens: int
+
+
+@dataclass
+class Result:
+    system: str
+    num_requests: int
+    elapsed: float
+    output_tokens: int
+    wrong_count: int = 0  # requests whose output length differed from the requested one
+    failed: int = 0
+    ttfts: list[float] = field(default_factory=list)  # empty for the Engine
+    itls: list[float] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.elapsed
+
+    @property
+    def req_s(self) -> float:
+        return (self.num_requests - self.failed) / self.elapsed
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def _random_ids(tokenizer, rng: random.Random, n: int) -> list[int]:
+    if n == 0:
+        return []
+    words = [rng.choice(WORDS) for _ in range(n)]
+    ids = list(tokenizer.encode(" " + " ".join(words)))
+    return ids[:n]
+
+
+def make_prompts(tokenizer, wl: Workload, num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = _random_ids(tokenizer, rng, wl.shared_len)
+    return [shared + _random_ids(tokenizer, rng, wl.prompt_len) for _ in range(num)]
+
+
+# ---------------------------------------------------------------- HTTP clients
+
+
+def _payload(prompt: list[int], output_len: int) -> dict:
+    # ignore_eos/max_tokens for sluice; n_predict is llama-server's name, ignored by sluice
+    return {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "n_predict": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def _is_token_chunk(msg: dict) -> bool:
+    choices = msg.get("choices") or []
+    if not choices:
+        return False
+    return bool(choices[0].get("text")) or choices[0].get("finish_reason") is None
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, payload: dict) -> RequestStats:
+    start = last = time.perf_counter()
+    ttft, itls, chunks, usage = None, [], 0, None
+    async with client.stream("POST", url, json=payload) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {resp.status_code}: {body[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            msg = json.loads(data)
+            usage = msg.get("usage") or usage
+            if not _is_token_chunk(msg):
+                continue
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - start
+            else:
+                itls.append(now - last)
+            last, chunks = now, chunks + 1
+    tokens = int(usage["completion_tokens"]) if usage else chunks
+    return RequestStats(
+        ttft=ttft if ttft is not None else last - start, itls=itls, output_tokens=tokens
+    )
+
+
+async def _drive(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int):
+    """Closed loop: `concurrency` workers share one queue of prompts. Returns (stats, errors, s)."""
+    queue = list(reversed(prompts))
+    stats: list[RequestStats] = []
+    errors: list[str] = []
+    url = base_url + "/v1/completions"
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            prompt = queue.pop()
+            try:
+                stats.append(await _one_request(client, url, _payload(prompt, output_len)))
+            except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+                errors.append(repr(exc))
+
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    )
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return stats, errors, elapsed
+
+
+def measure_http(system: str, base_url: str, wl: Workload, prompts, warm, concurrency) -> Result:
+    asyncio.run(_drive(base_url, warm, WARMUP_OUTPUT, len(warm)))
+    stats, errors, elapsed = asyncio.run(_drive(base_url, prompts, wl.output_len, concurrency))
+    for err in errors[:3]:
+        print(f"  {system}: request failed: {err}", flush=True)
+    return Result(
+        system=system,
+        num_requests=len(prompts),
+        elapsed=elapsed,
+        output_tokens=sum(s.output_tokens for s in stats),
+        wrong_count=sum(s.output_tokens != wl.output_len for s in stats),
+        failed=len(errors),
+        ttfts=[s.ttft for s in stats],
+        itls=[gap for s in stats for gap in s.itls],
+    )
+
+
+# ---------------------------------------------------------------- server processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess in its own process group; stopping it kills the whole group."""
+
+    def __init__(self, name: str, cmd: list[str], base_url: str, health_path: str) -> None:
+        self.name, self.cmd, self.base_url, self.health_path = name, cmd, base_url, health_path
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServerProcess:
+        print(f"starting {self.name}: {shlex.join(self.cmd)} (log {self.log.name})", flush=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < HEALTH_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self._tail()}")
+            try:
+                if httpx.get(self.base_url + self.health_path, timeout=5).status_code == 200:
+                    print(f"{self.name} ready after {time.monotonic() - start:.0f} s", flush=True)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"{self.name} not healthy after {HEALTH_TIMEOUT_S:.0f} s: {self._tail()}"
+        )
+
+    def _tail(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-2000:]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def sluice_command(port: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "sluice", "serve", "--port", str(port), *extra]
+
+
+def llama_command(binary: Path, gguf: str, port: int, concurrency: int, threads: int) -> list[str]:
+    help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
+    cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-np", str(concurrency), "-c", str(concurrency * LLAMA_CTX_PER_SLOT)]
+    cmd += ["-t", str(threads), "-tb", str(threads)]
+    if "--cont-batching" in help_text:
+        cmd.append("--cont-batching")
+    return cmd
+
+
+def run_server(name, cmd, health_path, port, workloads, prompts, warm, concurrency):
+    base_url = f"http://127.0.0.1:{port}"
+    results = {}
+    with ServerProcess(name, cmd, base_url, health_path):
+        for wl in workloads:
+            res = measure_http(name, base_url, wl, prompts[wl.name], warm[wl.name], concurrency)
+            print(
+                f"  {name} {wl.name}: {res.tok_s:.1f} output tok/s, {res.req_s:.2f} req/s",
+                flush=True,
+            )
+            results[wl.name] = res
+    return results
+
+
+# ---------------------------------------------------------------- in-process Engine
+
+
+def engine_kwargs(sluice_args: list[str]) -> dict:
+    """Engine keyword arguments from the server flags that differ from their defaults."""
+    from sluice.config import build_parser
+
+    parser = build_parser()
+    given = vars(parser.parse_args(sluice_args))
+    defaults = vars(parser.parse_args([]))
+    skip = {"host", "port", "api_key", "log_level"}
+    return {k: v for k, v in given.items() if v != defaults[k] and k not in skip}
+
+
+def engine_worker() -> None:
+    """Runs in a subprocess: job JSON on stdin, one result JSON line per workload on stdout."""
+    from sluice import Engine
+
+    job = json.load(sys.stdin)
+    engine = Engine(**job["engine_kwargs"])
+    base = {"temperature": 0, "ignore_eos": True}
+    for item in job["workloads"]:
+        engine.generate(
+            input_ids=item["warm"], sampling_params={**base, "max_new_tokens": WARMUP_OUTPUT}
+        )
+        params = {**base, "max_new_tokens": item["output_len"]}
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=item["prompts"], sampling_params=params)
+        elapsed = time.perf_counter() - start
+        counts = [o["meta_info"]["completion_tokens"] for o in outs]
+        wrong = sum(c != item["output_len"] for c in counts)
+        print(json.dumps({"name": item["name"], "elapsed": elapsed, "tokens": sum(counts), "wrong": wrong}), flush=True)  # fmt: skip
+    engine.shutdown()
+
+
+def run_engine(workloads, prompts, warm, kwargs) -> dict[str, Result]:
+    items = [
+        {
+            "name": w.name,
+            "output_len": w.output_len,
+            "prompts": prompts[w.name],
+            "warm": warm[w.name],
+        }
+        for w in workloads
+    ]
+    job = json.dumps({"engine_kwargs": kwargs, "workloads": items})
+    print(f"starting sluice-Engine in a subprocess (kwargs {kwargs})", flush=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--engine-worker"]
+    proc = subprocess.run(cmd, input=job, capture_output=True, text=True, cwd=HERE.parent)
+    if proc.returncode != 0:
+        raise RuntimeError(f"Engine worker failed: {proc.stderr[-2000:]}")
+    results = {}
+    for line in proc.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        n = len(prompts[r["name"]])
+        res = Result("sluice-Engine", n, r["elapsed"], r["tokens"], wrong_count=r["wrong"])
+        print(
+            f"  sluice-Engine {r['name']}: {res.tok_s:.1f} output tok/s, {res.req_s:.2f} req/s",
+            flush=True,
+        )
+        results[r["name"]] = res
+    return results
+
+
+# ---------------------------------------------------------------- report
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank-with-interpolation percentile, q in [0, 100]."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _pcts(values: list[float], scale: float, fmt: str) -> str:
+    if not values:
+        return "  ".join(f"{'-':>7}" for _ in range(3))
+    return "  ".join(format(percentile(values, q) * scale, fmt) for q in (50, 90, 99))
+
+
+def _ratio(a: Result | None, b: Result | None, attr: str) -> str:
+    if a is None or b is None:
+        return "n/a"
+    return f"{getattr(a, attr) / getattr(b, attr):.2f}x"
+
+
+def print_table(wl: Workload, n: int, concurrency: int, rows: dict[str, Result]) -> None:
+    print(f"\n== {wl.name}: {n} requests, {wl.describe()}, {concurrency} concurrent clients ==")
+    head = f"{'system':<14} {'out tok/s':>9} {'req/s':>7} | {'TTFT p50/p90/p99 (s)':>25} | "
+    print(head + f"{'ITL p50/p90/p99 (ms)':>25} | {'wrong':>5} {'failed':>6}")
+    for res in rows.values():
+        ttft = _pcts(res.ttfts, 1.0, "7.2f")
+        itl = _pcts(res.itls, 1000.0, "7.1f")
+        line = f"{res.system:<14} {res.tok_s:9.1f} {res.req_s:7.3f} | {ttft:>25} | {itl:>25} | "
+        print(line + f"{res.wrong_count:5d} {res.failed:6d}")
+    srv, peer, eng = (rows.get(k) for k in ("sluice-server", "llama-server", "sluice-Engine"))
+    print(f"sluice-server / llama-server : {_ratio(srv, peer, 'tok_s')} output tok/s, "
+          f"{_ratio(srv, peer, 'req_s')} req/s")  # fmt: skip
+    print(f"sluice-server / sluice-Engine: {_ratio(srv, eng, 'tok_s')} output tok/s, "
+          f"{_ratio(srv, eng, 'req_s')} req/s")  # fmt: skip
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of the workloads"
+    )
+    ap.add_argument(
+        "--num-requests", type=int, default=None, help="requests per workload (default: 64 each)"
+    )
+    ap.add_argument("--concurrency", type=int, default=32, help="concurrent streaming clients")
+    ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-sluice-server", action="store_true")
+    ap.add_argument(
+        "--sluice-args", default="", help="extra `sluice serve` flags (also applied to the Engine)"
+    )
+    ap.add_argument(
+        "--llama-threads", type=int, default=0, help="llama-server -t (0: the cores available)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def select_workloads(spec: str) -> list[Workload]:
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    return [WORKLOADS[n] for n in names]
+
+
+def main() -> None:
+    args = parse_args()
+    if args.engine_worker:
+        engine_worker()
+        return
+    from sluice.model.loader import default_model_path, load_model_config
+    from sluice.utils.system import available_cpus
+    from sluice.utils.tokenizer import get_tokenizer
+
+    workloads = select_workloads(args.workloads)
+    tokenizer = get_tokenizer(load_model_config(None).hf_dir)
+    prompts, warm, counts = {}, {}, {}
+    for i, wl in enumerate(workloads):
+        counts[wl.name] = args.num_requests or wl.num_requests
+        prompts[wl.name] = make_prompts(tokenizer, wl, counts[wl.name], seed=args.seed + 100 * i)
+        warm[wl.name] = make_prompts(tokenizer, wl, WARMUP_REQUESTS, seed=args.seed + 100 * i + 1)
+    threads = args.llama_threads or available_cpus()
+    gguf = default_model_path()
+    sluice_extra = shlex.split(args.sluice_args)
+    print(
+        f"model {gguf}; {available_cpus()} cpus; load average {os.getloadavg()[0]:.2f}", flush=True
+    )
+
+    results: dict[str, dict[str, Result]] = {}
+    if not args.skip_sluice_server:
+        port = free_port()
+        cmd = sluice_command(port, sluice_extra)
+        results["sluice-server"] = run_server(
+            "sluice-server",
+            cmd,
+            "/health_generate",
+            port,
+            workloads,
+            prompts,
+            warm,
+            args.concurrency,
+        )
+    if not args.skip_llama_server:
+        sys.path.insert(0, str(HERE))
+        from llama_server import ensure_binary
+
+        port = free_port()
+        cmd = llama_command(ensure_binary(), gguf, port, args.concurrency, threads)
+        results["llama-server"] = run_server(
+            "llama-server", cmd, "/health", port, workloads, prompts, warm, args.concurrency
+        )
+    if not args.skip_engine:
+        results["sluice-Engine"] = run_engine(workloads, prompts, warm, engine_kwargs(sluice_extra))
+
+    for wl in workloads:
+        rows = {name: per[wl.name] for name, per in results.items() if wl.name in per}
+        print_table(wl, counts[wl.name], args.concurrency, rows)
+
+
+if __name__ == "__main__":
+    main()

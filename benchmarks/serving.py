@@ -277,7 +277,8 @@ def sluice_command(port: int, extra: list[str]) -> list[str]:
 
 
 def llama_command(binary: Path, gguf: str, port: int, concurrency: int, threads: int) -> list[str]:
-    help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
+    proc = subprocess.run([str(binary), "--help"], capture_output=True, text=True)
+    help_text = proc.stdout + proc.stderr
     cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(concurrency), "-c", str(concurrency * LLAMA_CTX_PER_SLOT)]
     cmd += ["-t", str(threads), "-tb", str(threads)]
@@ -444,6 +445,8 @@ def select_workloads(spec: str) -> list[Workload]:
 
 def main() -> None:
     args = parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the server context managers kill their process groups
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.engine_worker:
         engine_worker()
         return

@@ -27,6 +27,15 @@ class ServerArgs:
         None, "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)"
     )
     served_model_name: str | None = _opt(None, "model id reported by the API (default: derived)")
+    embedding_model_path: str | None = _opt(
+        "auto",
+        "embedding model served next to --model-path, routed by the `model` field (a BERT "
+        "sentence-transformers directory; auto: all-MiniLM-L6-v2 when installed; none: no)",
+    )
+    no_embedding_model: bool = _opt(False, "no embedding model (as --embedding-model-path none)")
+    rerank_model_path: str | None = _opt(
+        None, "cross-encoder (BertForSequenceClassification directory) served for /v1/rerank"
+    )
     context_length: int = _opt(0, "maximum tokens per request, prompt plus output (0: model's)")
     dtype: str = _opt("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
     device: str = _opt("auto", "auto | cpu | cuda")
@@ -44,6 +53,11 @@ class ServerArgs:
     chunked_prefill_size: int = _opt(1024, "longest prefill chunk of one request (0: no chunking)")
     schedule_policy: str = _opt("fcfs", "fcfs | lpm (longest prefix match first)")
     check_invariants: bool = _opt(False, "check the KV pool invariant whenever the scheduler idles")
+    waiting_timeout: float = _opt(0.0, "seconds a request may wait before it is scheduled (0: off)")
+    running_timeout: float = _opt(0.0, "seconds a request may take in all (0: off)")
+    max_queued_requests: int = _opt(
+        0, "requests in flight beyond --max-running-requests before new ones get 429 (0: no limit)"
+    )
 
     # serving
     host: str = _opt("127.0.0.1", "address to listen on")
@@ -51,6 +65,12 @@ class ServerArgs:
     api_key: str | None = _opt(None, "require this key as a Bearer token")
     stream_interval: int = _opt(1, "tokens per streamed update")
     log_level: str = _opt("info", "debug | info | warning | error")
+    shutdown_timeout: float = _opt(
+        20.0, "on SIGTERM, seconds to let requests in flight finish before aborting them"
+    )
+    health_timeout: float = _opt(
+        20.0, "/health_generate is 503 when the scheduler was silent for this many seconds"
+    )
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

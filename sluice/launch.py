@@ -29,6 +29,12 @@ from sluice.config import ServerArgs
 from sluice.detokenizer.process import run_detokenizer_process
 from sluice.messages import ReadyMsg
 from sluice.scheduler.process import run_scheduler_process
+from sluice.tokenizer.embedding_manager import (
+    EmbeddingManager,
+    EncoderSpec,
+    plan_encoders,
+    start_manager,
+)
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.utils import ipc
 
@@ -63,6 +69,9 @@ class ServingProcesses:
         self.failure: str | None = None  # why a child died, once one has
         self.addrs: ipc.IpcAddrs | None = None  # created on entry, removed on exit
         self.tm: TokenizerManager | None = None
+        self.embedders: list[EmbeddingManager] = []  # extra encoder models, one child each
+        self._encoders: list[EncoderSpec] = []
+        self._encoder_infos: list[dict[str, Any]] = []  # their ready handshakes, in order
         self._children: list[_Child] = []
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -85,6 +94,9 @@ class ServingProcesses:
             raise
         self.tm = TokenizerManager(self.args, cfg, tokenizer, self.addrs, info)
         self.tm.start()
+        for spec, info in zip(self._encoders, self._encoder_infos, strict=True):
+            self.embedders.append(start_manager(spec, info))
+            self.embedders[-1].start()
         self._watchdog = asyncio.create_task(self._watch())
         logger.info(
             "model %s: context %s tokens, KV pool %s tokens, up to %s running requests, "
@@ -100,6 +112,8 @@ class ServingProcesses:
             await asyncio.gather(self._watchdog, return_exceptions=True)
         if self.tm is not None:
             await self.tm.close()
+        for embedder in self.embedders:
+            await embedder.close()
         self._stop_children()
 
     # ---- start and stop (blocking) ---------------------------------------------------------
@@ -117,9 +131,32 @@ class ServingProcesses:
         self._spawn(
             ctx, "detokenizer", run_detokenizer_process, cfg.hf_dir, self.args.log_level, self.addrs
         )
+        self._spawn_encoders(ctx)
         tokenizer = get_tokenizer(cfg.hf_dir)  # while the children start
         ready = self._wait_ready()
+        self._start_embedders(ready)
         return cfg, tokenizer, dict(ready["scheduler"].info)
+
+    def _spawn_encoders(self, ctx: Any) -> None:
+        """One scheduler process per extra encoder model (embedding, rerank)."""
+        try:
+            self._encoders = plan_encoders(self.args)
+        except ValueError as e:
+            raise StartupError(str(e)) from e
+        for spec in self._encoders:
+            self._spawn(ctx, spec.name, run_scheduler_process, spec.args, spec.addrs)
+
+    def _start_embedders(self, ready: dict[str, ReadyMsg]) -> None:
+        from sluice.utils.tokenizer import get_tokenizer
+
+        for spec in self._encoders:
+            info = dict(ready[spec.name].info)
+            get_tokenizer(str(info["hf_dir"]))  # loaded here, off the event loop, and cached
+            self._encoder_infos.append(info)
+            logger.info(
+                "%s model %s: context %s tokens, %s dimensions, %s threads", spec.name,
+                info["model_name"], info["context_len"], info["dimensions"], info["num_threads"],
+            )  # fmt: skip
 
     def _spawn(self, ctx: Any, name: str, target: Callable[..., None], *args: Any) -> None:
         reader, writer = ctx.Pipe(duplex=False)
@@ -168,9 +205,12 @@ class ServingProcesses:
                 logger.warning("the %s process ignored SIGTERM; killing it", child.name)
                 child.process.kill()
                 child.process.join(1.0)
+            logger.info("the %s process exited with code %s", child.name, child.process.exitcode)
             child.ready_conn.close()
         if self.addrs is not None:
             self.addrs.remove()
+        for spec in self._encoders:
+            spec.addrs.remove()
 
     # ---- watchdog -------------------------------------------------------------------------
 
@@ -184,6 +224,8 @@ class ServingProcesses:
             logger.error("%s: failing all requests and shutting down", self.failure)
             assert self.tm is not None
             self.tm.on_child_death(self.failure)
+            for embedder in self.embedders:
+                embedder.on_child_death(self.failure)
             if self.on_child_death is not None:
                 self.on_child_death(self.failure)
             return
@@ -234,10 +276,13 @@ async def _serve(args: ServerArgs) -> int:
     procs = ServingProcesses(args, on_child_death)
     async with procs as tm:
         config = uvicorn.Config(
-            _create_app(tm, args), host=args.host, port=args.port, log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+            _create_app(tm, args, procs.embedders), host=args.host, port=args.port,
+            log_level=args.log_level, timeout_graceful_shutdown=5,
         )  # fmt: skip
         server = _Server(config)
+        from sluice.server.shutdown import GracefulShutdown  # the HTTP layer, only here
+
+        server.on_signal = GracefulShutdown(server, tm, args.shutdown_timeout).on_signal
         announce = asyncio.create_task(_announce(server, args))
         if procs.failure is None:
             await server.serve()
@@ -256,14 +301,18 @@ async def _announce(server: Any, args: ServerArgs) -> None:
 
 
 class _Server(uvicorn.Server):
-    """A uvicorn server whose signals only ask it to stop: uvicorn's own handling re-raises the
-    signal after serving, which would kill this process before the children are stopped."""
+    """A uvicorn server whose signals only ask it to stop (through `on_signal`, the graceful
+    drain): uvicorn's own handling re-raises the signal after serving, which would kill this
+    process before the children are stopped."""
+
+    def on_signal(self, sig: int) -> None:
+        self.handle_exit(sig, None)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            loop.add_signal_handler(sig, lambda s=sig: self.on_signal(s))
         try:
             yield
         finally:
@@ -271,7 +320,9 @@ class _Server(uvicorn.Server):
                 loop.remove_signal_handler(sig)
 
 
-def _create_app(tm: TokenizerManager, args: ServerArgs) -> Any:
+def _create_app(
+    tm: TokenizerManager, args: ServerArgs, embedders: list[EmbeddingManager] | None = None
+) -> Any:
     from sluice.server.app import create_app  # the HTTP layer, only in this process
 
-    return create_app(tm, args)
+    return create_app(tm, args, embedders=embedders)

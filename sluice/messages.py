@@ -66,6 +66,8 @@ class BatchTokenizedGenerateReqInput(msgspec.Struct):
 
 
 class AbortReq(msgspec.Struct, omit_defaults=True):
+    """`reason`: "client" (a disconnect or /abort_request) or "shutdown" (the drain ran out)."""
+
     rid: str = ""
     abort_all: bool = False
     reason: str = "client"
@@ -150,6 +152,14 @@ class InternalState(msgspec.Struct):
     num_retractions: int = 0
 
 
+class SchedulerHeartbeat(msgspec.Struct):
+    """Scheduler → detokenizer → TokenizerManager, at least every heartbeat interval, busy or
+    idle: the readiness check's proof that the scheduler loop turns."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+
+
 class ReadyMsg(msgspec.Struct):
     """A child process's start-up handshake."""
 
@@ -173,3 +183,34 @@ class FlushCacheReply(msgspec.Struct):
     """Scheduler → detokenizer → TokenizerManager, answering FlushCacheReq."""
 
     success: bool
+
+
+class TokenizedEmbeddingReqInput(msgspec.Struct, omit_defaults=True):
+    """One input of an embedding or scoring request, for an encoder model's scheduler.
+
+    `token_type_ids` is set for a (query, document) pair of a cross-encoder.
+    """
+
+    rid: str
+    input_ids: list[int]
+    token_type_ids: list[int] | None = None
+    reply_to: str = ""
+    created_time: float = 0.0
+
+
+class BatchTokenizedEmbeddingReqInput(msgspec.Struct):
+    reqs: list[TokenizedEmbeddingReqInput]
+
+
+class BatchEmbeddingOutput(msgspec.Struct):
+    """Encoder scheduler → (detokenizer, unchanged) → its manager. Lists are parallel.
+
+    `embeddings[i]` is the pooled vector (or a cross-encoder's scores) of `rids[i]` as
+    little-endian float32 bytes; empty when `finished_reasons[i]` is an abort.
+    """
+
+    rids: list[str]
+    embeddings: list[bytes]
+    prompt_tokens: list[int]
+    finished_reasons: list[FinishReason]
+    reply_to: list[str]

@@ -107,7 +107,8 @@ def test_dead_scheduler_fails_requests_with_503(tiny_llama_dir: str) -> None:
     deaths: list[str] = []
 
     async def go() -> None:
-        procs = ServingProcesses(ServerArgs(model_path=tiny_llama_dir), deaths.append)
+        args = ServerArgs(model_path=tiny_llama_dir, no_embedding_model=True)
+        procs = ServingProcesses(args, deaths.append)
         async with procs as tm:
             params = {"max_new_tokens": 500, "ignore_eos": True}
             gen = tm.generate_request(
@@ -141,8 +142,8 @@ class Server:
         self.port = _free_port()
         self.log = tmp_path / "server.log"
         cmd = [*SERVE, "--port", str(self.port), "--max-total-tokens", "4096"]
-        if model_path is not None:
-            cmd += ["--model-path", model_path]
+        if model_path is not None:  # a test model: without the default embedding model
+            cmd += ["--model-path", model_path, "--no-embedding-model"]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.ps = psutil.Process(self.proc.pid)

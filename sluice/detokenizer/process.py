@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import traceback
 from typing import Any
 
@@ -44,6 +46,7 @@ def run_detokenizer_process(
         ipc.report_ready(ready_conn, ReadyMsg("detokenizer", error=traceback.format_exc()))
         raise SystemExit(1) from None
     ipc.report_ready(ready_conn, ReadyMsg("detokenizer"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's stop is a clean exit
     loop.run_forever()
 
 

@@ -97,7 +97,9 @@ def _input_logprobs(logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> 
         if num <= 0:
             continue
         targets = torch.tensor(req.origin_input_ids[first_pos + 1 : first_pos + 1 + num])
-        lps, top = token_logprobs(logits[first_row : first_row + num], targets, req.top_logprobs_num)
+        lps, top = token_logprobs(
+            logits[first_row : first_row + num], targets, req.top_logprobs_num
+        )
         req.input_token_logprobs.extend(lps.tolist())
         req.input_top_logprobs.extend(_top_list(top, num) or [None] * num)
 

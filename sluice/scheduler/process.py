@@ -4,15 +4,21 @@ Loop guarantee: while the scheduler has work, pending messages are taken without
 between steps, so a new request or an abort waits at most one forward step; while idle, the loop
 blocks on the socket (IDLE_POLL_MS at a time). Every step's output goes to the detokenizer.
 A message that cannot be taken in ends only the request it carries (an abort finish for its
-rid); an error inside `step()` ends the process, and the launcher's watchdog notices.
+rid, 400 if it could not be decoded, 500 if intake failed); an error inside `step()` ends the
+process, and the launcher's watchdog notices. A SchedulerHeartbeat goes out at least every
+`heartbeat_interval` (busy or idle), so the HTTP process can tell a stuck loop; SIGTERM exits 0.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import sys
+import time
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from sluice.config import ServerArgs
@@ -26,6 +32,8 @@ from sluice.messages import (
     GetInternalStateReq,
     InternalStateReply,
     ReadyMsg,
+    SamplingParams,
+    SchedulerHeartbeat,
     TokenizedGenerateReqInput,
 )
 from sluice.utils import ipc
@@ -37,7 +45,14 @@ PROCESS_TITLE = "sluice::scheduler"
 
 
 def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any) -> None:
-    """Entry point of the spawned process: build, report ready (or the error), then loop."""
+    """Entry point of the spawned process: build, report ready (or the error), then loop.
+    An encoder model (embeddings, cross-encoder) gets the EncoderScheduler's loop instead."""
+    from sluice.model.encoder_config import is_encoder_model
+
+    if is_encoder_model(args.model_path):
+        from sluice.scheduler.encoder_process import run_encoder_process
+
+        return run_encoder_process(args, addrs, ready_conn)
     ipc.setup_child_process(PROCESS_TITLE, args.log_level)
     try:
         loop = SchedulerLoop(args, addrs)
@@ -45,6 +60,7 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
         ipc.report_ready(ready_conn, ReadyMsg("scheduler", error=traceback.format_exc()))
         raise SystemExit(1) from None
     ipc.report_ready(ready_conn, ReadyMsg("scheduler", info=loop.info()))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's stop is a clean exit
     loop.run_forever()
 
 
@@ -64,6 +80,9 @@ class SchedulerLoop:
         self.ctx = zmq.Context()
         self.recv_sock = ipc.pull_socket(self.ctx, addrs.scheduler_in)
         self.send_sock = ipc.push_socket(self.ctx, addrs.detokenizer_in)
+        # a few beats per readiness window, at most one a second
+        self.heartbeat_interval = min(1.0, max(args.health_timeout, 0.1) / 4)
+        self.last_beat = 0.0
 
     def info(self) -> dict[str, int | float | str]:
         res = self.res
@@ -80,6 +99,7 @@ class SchedulerLoop:
             self.run_once()
 
     def run_once(self) -> None:
+        # idle means no live request, hence no deadline to wake up for
         timeout = 0 if self.scheduler.has_work() else IDLE_POLL_MS
         for frames in ipc.recv_all(self.recv_sock, timeout):
             self._handle(frames)
@@ -87,12 +107,19 @@ class SchedulerLoop:
             out = self.scheduler.step()
             if out is not None:
                 ipc.send(self.send_sock, out)
+        now = time.monotonic()
+        if now - self.last_beat >= self.heartbeat_interval:
+            self.last_beat = now
+            s = self.scheduler
+            beat = SchedulerHeartbeat(len(s.running) + (s.chunked_req is not None), len(s.waiting))
+            ipc.send(self.send_sock, beat)
 
     def _handle(self, frames: list[bytes]) -> None:
         try:
             msg = ipc.decode(frames)
         except ValueError as e:
             logger.error("dropped a message: %s", e)
+            self._reject_undecodable(frames, str(e))
             return
         if isinstance(msg, TokenizedGenerateReqInput):
             self._add_request(msg)
@@ -115,9 +142,37 @@ class SchedulerLoop:
             logger.exception("request %s could not be taken in", req.rid)
             ipc.send(self.send_sock, _abort_output(req, f"the scheduler rejected it: {e}"))
 
+    def _reject_undecodable(self, frames: list[bytes], error: str) -> None:
+        """A request that fails to decode still has a waiting client: end it (400) if its rid
+        and reply address can be read at all."""
+        for rid, reply_to in _rids_of(frames):
+            req = TokenizedGenerateReqInput(rid, [], SamplingParams(), reply_to=reply_to)
+            ipc.send(self.send_sock, _abort_output(req, f"malformed request: {error}", 400))
 
-def _abort_output(req: TokenizedGenerateReqInput, message: str) -> BatchTokenIDOutput:
-    reason = FinishReason(type="abort", message=message, status_code=500, code="internal_error")
+
+def _rids_of(frames: list[bytes]) -> list[tuple[str, str]]:
+    """(rid, reply_to) of each request inside an undecodable request message, best effort."""
+    if len(frames) != 2 or bytes(frames[0]) not in (
+        b"TokenizedGenerateReqInput", b"BatchTokenizedGenerateReqInput"
+    ):  # fmt: skip
+        return []
+    try:
+        raw = msgspec.msgpack.decode(frames[1])
+    except msgspec.DecodeError:
+        return []
+    items = raw.get("reqs", []) if isinstance(raw, dict) and "reqs" in raw else [raw]
+    return [
+        (it["rid"], str(it.get("reply_to", "")))
+        for it in items
+        if isinstance(it, dict) and isinstance(it.get("rid"), str)
+    ]
+
+
+def _abort_output(
+    req: TokenizedGenerateReqInput, message: str, status_code: int = 500
+) -> BatchTokenIDOutput:
+    code = "invalid_request" if status_code == 400 else "internal_error"
+    reason = FinishReason(type="abort", message=message, status_code=status_code, code=code)
     return BatchTokenIDOutput(
         rids=[req.rid], new_token_ids=[[]], finished_reasons=[reason],
         prompt_tokens=[len(req.input_ids)], completion_tokens=[0], cached_tokens=[0],

@@ -1,6 +1,6 @@
 """Scheduler: continuous batching over a paged KV cache with a radix prefix cache.
 
-One `step()`:  process aborts → pick the next batch (a prefill if anything can be admitted,
+One `step()`:  expire deadlines, process aborts → pick the next batch (a prefill if anything can be admitted,
 else one decode step of the running batch) → run it → process the results → emit outputs.
 
 Ownership: the scheduler owns every `Req` from intake to finish. A finished or aborted request
@@ -36,6 +36,7 @@ from sluice.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting
 from sluice.scheduler.radix_cache import RadixCache
 from sluice.scheduler.req import Req
 from sluice.scheduler.resources import Resources
+from sluice.scheduler.timeouts import DeadlineTracker
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.reqs: dict[str, Req] = {}  # every live request by rid
         self.touched: list[Req] = []  # requests with something to report after this step
+        self.aborting: list[Req] = []  # live requests whose `to_abort` was set, not yet ended
+        self.deadlines = DeadlineTracker(args.waiting_timeout, args.running_timeout)
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
         self.last_heartbeat = time.monotonic()
         self.num_forward_steps = 0
@@ -81,6 +84,7 @@ class Scheduler:
             return
         self.reqs[req.rid] = req
         self.waiting.append(req)
+        self.deadlines.add(req, req.arrival_time)
 
     def _build_req(self, msg: TokenizedGenerateReqInput) -> Req:
         p = msg.sampling_params
@@ -115,19 +119,23 @@ class Scheduler:
         return None
 
     def abort(self, msg: AbortReq) -> None:
-        reason = FinishReason(
-            type="abort", message="the request was aborted", status_code=499, code="request_aborted"
-        )
+        """Mark the request(s) for the abort finish at the start of the next step; an unknown
+        or finished rid is ignored (it raced with its own finish)."""
+        reason = _abort_reason(msg.reason)
         rids = list(self.reqs) if msg.abort_all else [msg.rid]
         for rid in rids:
             req = self.reqs.get(rid)
             if req is not None and req.to_abort is None:
                 req.to_abort = reason
+                self.aborting.append(req)
 
     # ---- the loop -----------------------------------------------------------------------
 
     def step(self) -> BatchTokenIDOutput | None:
-        self.last_heartbeat = time.monotonic()
+        self.last_heartbeat = now = time.monotonic()
+        for req, reason in self.deadlines.expired(now, self.reqs):
+            req.to_abort = reason
+            self.aborting.append(req)
         self._process_aborts()
         if not self._step_prefill() and self.running:
             self._step_decode()
@@ -138,7 +146,9 @@ class Scheduler:
         return self._take_outputs()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self.touched)
+        return bool(
+            self.waiting or self.running or self.chunked_req or self.touched or self.aborting
+        )
 
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked_req)
@@ -275,15 +285,20 @@ class Scheduler:
     # ---- aborts and outputs ---------------------------------------------------------------
 
     def _process_aborts(self) -> None:
-        if not any(r.to_abort for r in self.reqs.values()):
+        """End every request marked `to_abort`, in whatever phase it is (waiting, chunked
+        prefill, running), through the one release path; one pass over the queues."""
+        if not self.aborting:
             return
-        for req in [r for r in self.reqs.values() if r.to_abort is not None]:
-            self.waiting = [r for r in self.waiting if r is not req]
-            self.running = [r for r in self.running if r is not req]
-            if self.chunked_req is req:
-                self.chunked_req = None
-            self.touched.append(req)
-            self.finish(req, req.to_abort)
+        ending = {id(r) for r in self.aborting if self.reqs.get(r.rid) is r}
+        aborting, self.aborting = self.aborting, []
+        self.waiting = [r for r in self.waiting if id(r) not in ending]
+        self.running = [r for r in self.running if id(r) not in ending]
+        if self.chunked_req is not None and id(self.chunked_req) in ending:
+            self.chunked_req = None
+        for req in aborting:
+            if id(req) in ending and not req.is_finished:
+                self.touched.append(req)
+                self.finish(req, req.to_abort)
 
     def _take_outputs(self) -> BatchTokenIDOutput | None:
         if not self.touched:
@@ -325,3 +340,14 @@ class Scheduler:
         self.tree.reset()
         self.allocator.clear()
         return True
+
+
+def _abort_reason(cause: str) -> FinishReason:
+    if cause == "shutdown":
+        return FinishReason(
+            type="abort", message="the server is shutting down and the request did not finish "
+            "within the shutdown timeout", status_code=503, code="shutdown",
+        )  # fmt: skip
+    return FinishReason(
+        type="abort", message="the request was aborted", status_code=499, code="request_aborted"
+    )

@@ -25,15 +25,15 @@ from sluice.server.protocol import AbortRequest, DetokenizeRequest, TokenizeRequ
 from sluice.server.serving_base import ServingContext, parse_body
 from sluice.server.serving_chat import OpenAIServingChat
 from sluice.server.serving_completions import OpenAIServingCompletion
+from sluice.server.serving_embedding import ServingEmbedding
 from sluice.server.serving_generate import ServingGenerate
+from sluice.server.serving_rerank import ServingRerank
 
 logger = logging.getLogger(__name__)
 
 # paths that never ask for the API key
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 STATE_TIMEOUT_S = 5.0
-# a scheduler with work that has not stepped for this long is stuck
-HEARTBEAT_MAX_AGE_S = 30.0
 
 
 class ApiKeyMiddleware:
@@ -55,8 +55,13 @@ class ApiKeyMiddleware:
 
 
 def create_app(
-    tokenizer_manager: Any, server_args: Any, *, keepalive_interval: float = 5.0
+    tokenizer_manager: Any,
+    server_args: Any,
+    *,
+    keepalive_interval: float = 5.0,
+    embedders: list[Any] | None = None,
 ) -> FastAPI:
+    """`embedders`: the EmbeddingManagers of the server's encoder models, routed by `model`."""
     app = FastAPI(title="sluice", version=__version__, docs_url=None, redoc_url=None)
     model_name = getattr(server_args, "served_model_name", None) or tokenizer_manager.model_name
     ctx = ServingContext(
@@ -65,12 +70,17 @@ def create_app(
         metrics=ServerMetrics(),
         token_text=TokenText(tokenizer_manager.tokenizer),
         keepalive_interval=keepalive_interval,
+        other_models=[e.model_name for e in embedders or []],
     )
     app.state.ctx = ctx
     app.state.server_args = server_args
     app.state.created = int(time.time())
+    counters = getattr(tokenizer_manager, "counters", None)
+    if counters is not None:
+        ctx.metrics.watch_counters(counters.as_dict)
     install_error_handlers(app)
     _add_generation_routes(app, ctx)
+    _add_encoder_routes(app, ctx, list(embedders or []))
     _add_info_routes(app, ctx, server_args)
     _add_admin_routes(app, ctx)
     routes = {getattr(r, "path", "") for r in app.routes}
@@ -91,6 +101,23 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     app.add_api_route("/generate", generate.handle, methods=["POST", "PUT"])
 
 
+def _add_encoder_routes(app: FastAPI, ctx: ServingContext, embedders: list[Any]) -> None:
+    app.state.embedders = embedders
+    embedding, rerank = ServingEmbedding(ctx, embedders), ServingRerank(ctx, embedders)
+    app.add_api_route("/v1/embeddings", embedding.handle, methods=["POST"])
+    app.add_api_route("/v1/rerank", rerank.handle, methods=["POST"])
+    app.add_api_route("/rerank", rerank.handle, methods=["POST"])
+
+
+def _encoder_card(embedder: Any, created: int) -> dict[str, Any]:
+    return {
+        "id": embedder.model_name, "object": "model", "created": created, "owned_by": "sluice",
+        "root": embedder.model_name, "context_length": embedder.context_len,
+        "max_model_len": embedder.context_len, "task": embedder.task,
+        "dimensions": embedder.dimensions,
+    }  # fmt: skip
+
+
 async def _internal_state(ctx: ServingContext) -> dict[str, Any]:
     try:
         coro = ctx.tokenizer_manager.get_internal_state()
@@ -109,6 +136,7 @@ def _model_card(ctx: ServingContext, created: int) -> dict[str, Any]:
         "root": ctx.model_name,
         "context_length": context_len,
         "max_model_len": context_len,
+        "task": "generate",
     }
 
 
@@ -124,28 +152,42 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(ctx, app.state.created)]}
+        cards = [_encoder_card(e, app.state.created) for e in app.state.embedders]
+        return {"object": "list", "data": [_model_card(ctx, app.state.created), *cards]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
+        for embedder in app.state.embedders:
+            if embedder.model_name == model:
+                return _encoder_card(embedder, app.state.created)
         ctx.check_model(model)
         return _model_card(ctx, app.state.created)
 
+    health_timeout = float(getattr(server_args, "health_timeout", 20.0))
+
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: this process answers (never asks the scheduler, so it answers while the
+        model works)."""
         ctx.check_ready()
         return Response(status_code=200)
 
     @app.get("/health_generate")
+    @app.get("/ready")
     async def health_generate() -> Response:
+        """Readiness: not shutting down, and the scheduler was heard from (an output or its
+        heartbeat) within --health-timeout. Sends nothing to the scheduler."""
         ctx.check_ready()
-        state = await _internal_state(ctx)
-        busy = state.get("num_running_reqs", 0) + state.get("num_waiting_reqs", 0) > 0
-        age = time.monotonic() - float(state.get("last_heartbeat", 0.0))
-        if busy and age > HEARTBEAT_MAX_AGE_S:
+        if getattr(tm, "shutting_down", False):
+            raise APIError(503, "the server is shutting down", "shutting_down")
+        last = getattr(tm, "last_scheduler_contact", None)
+        judged = last is not None and getattr(tm, "heartbeat_seen", False)
+        age = time.monotonic() - last if judged else 0.0
+        if age > health_timeout:
             raise APIError(
-                503, f"the scheduler has not stepped for {age:.0f} s", "server_unhealthy"
-            )
+                503, f"the scheduler has not been heard from for {age:.1f} s "
+                f"(--health-timeout {health_timeout:g} s)", "server_unhealthy",
+            )  # fmt: skip
         return Response(status_code=200)
 
     @app.get("/get_model_info")
@@ -202,6 +244,7 @@ def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:
+        """Idempotent: an unknown or finished rid is not an error (num_aborted is 0)."""
         req = await parse_body(request, AbortRequest)
-        await tm.abort_request(rid=req.rid, abort_all=req.abort_all)
-        return {"success": True}
+        num = await tm.abort_request(rid=req.rid, abort_all=req.abort_all)
+        return {"success": True, "num_aborted": int(num or 0)}

@@ -38,12 +38,14 @@ class APIError(Exception):
         message: str,
         code: str | None = None,
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers  # extra response headers (Retry-After of a 429)
 
 
 def error_type(status_code: int) -> str:
@@ -73,14 +75,19 @@ def as_api_error(exc: BaseException) -> APIError:
     status = getattr(exc, "status_code", None)
     message = getattr(exc, "message", None)
     if isinstance(status, int) and isinstance(message, str):  # RequestError and friends
-        return APIError(status, message, getattr(exc, "code", None), getattr(exc, "param", None))
+        return APIError(
+            status, message, getattr(exc, "code", None), getattr(exc, "param", None),
+            getattr(exc, "headers", None),
+        )  # fmt: skip
     logger.error("internal error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", "internal_error")
 
 
 def error_response(exc: BaseException) -> JSONResponse:
     err = as_api_error(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if err.status_code == 401 else None
+    headers = dict(err.headers or {})
+    if err.status_code == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(
         error_body(err.status_code, err.message, err.code, err.param),
         status_code=err.status_code,

@@ -2,11 +2,14 @@
 
 Counters and histograms are updated as requests run; the gauges describing the scheduler
 (running and waiting requests, KV usage) are refreshed from `get_internal_state` at scrape time.
+The TokenizerManager's counters of early ends (aborts by cause, timeouts, rejections, outputs for
+unknown rids) are read from it at scrape time too (`watch_counters`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -17,6 +20,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -67,6 +72,10 @@ class ServerMetrics:
         self.num_prompt_tokens = 0  # running sums behind cache_hit_rate
         self.num_cached_tokens = 0
 
+    def watch_counters(self, source: Callable[[], dict[str, Any]]) -> None:
+        """Export `source()` (RequestCounters.as_dict) at every scrape."""
+        self.registry.register(_CountersCollector(source))
+
     def track(self) -> RequestTracker:
         return RequestTracker(self)
 
@@ -81,6 +90,29 @@ class ServerMetrics:
         prompt = self.num_prompt_tokens
         self.cache_hit_rate.set(self.num_cached_tokens / prompt if prompt else 0.0)
         return generate_latest(self.registry)
+
+
+class _CountersCollector(Collector):
+    _LABELLED = (
+        ("aborts", "sluice_request_aborts", "requests ended early, by cause", "cause"),
+        ("timeouts", "sluice_request_timeouts", "requests ended by a timeout, by kind", "kind"),
+        ("rejected", "sluice_rejected_requests", "requests refused (429/503)", "reason"),
+    )
+
+    def __init__(self, source: Callable[[], dict[str, Any]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self.source()
+        for key, name, doc, label in self._LABELLED:
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value, num in counts[key].items():
+                family.add_metric([value], num)
+            yield family
+        yield CounterMetricFamily(
+            "sluice_unknown_rid_outputs", "outputs that arrived for an rid nobody holds (zombies)",
+            value=counts["unknown_rid_outputs"],
+        )  # fmt: skip
 
 
 class RequestTracker:

@@ -67,6 +67,8 @@ class SamplingRequest(_Lenient):
     no_stop_trim: bool | None = None
     user: str | None = None
     rid: str | None = None
+    # extension: seconds the request may take in all before it ends with 503 "timeout"
+    timeout: float | None = Field(default=None, ge=0)
 
     @field_validator("logit_bias")
     @classmethod
@@ -182,6 +184,7 @@ class GenerateRequest(_Lenient):
     logprob_start_len: int = -1
     top_logprobs_num: int = Field(default=0, ge=0)
     session_params: dict[str, Any] | None = None
+    timeout: float | None = Field(default=None, ge=0)  # seconds in all (503 "timeout" after)
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:

@@ -43,12 +43,19 @@ class ServingContext:
     metrics: ServerMetrics
     token_text: TokenText
     keepalive_interval: float = 5.0
+    other_models: list[str] = field(default_factory=list)  # encoder models: no generation
 
     def check_model(self, model: str | None) -> None:
+        if model and model in self.other_models:
+            raise APIError(
+                400, f"the model '{model}' is an embedding/rerank model: it cannot generate",
+                "invalid_request_error", "model",
+            )  # fmt: skip
         if model and model != self.model_name:
+            served = ", ".join(f"'{m}'" for m in [self.model_name, *self.other_models])
             raise APIError(
                 404,
-                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                f"The model '{model}' does not exist; this server serves {served}.",
                 "model_not_found",
                 "model",
             )
@@ -147,6 +154,25 @@ async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, Respo
                     await t
 
 
+async def prime_until_disconnect(request: Request, stream: OutputStream, timeout: float) -> bool:
+    """`stream.prime(timeout)`, unless the client disconnects first (then False): a stream
+    still queued or in prefill is aborted at once, not after the first keepalive."""
+    primer = asyncio.ensure_future(stream.prime(timeout))
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({primer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if primer.done():
+            primer.result()  # errors raised before the first item propagate
+            return True
+        return False
+    finally:
+        with anyio.CancelScope(shield=True):
+            for t in (primer, watcher):
+                t.cancel()
+                with suppress(BaseException):
+                    await t
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -225,7 +251,11 @@ class OpenAIServingBase:
             await self.prepare(req, state)
             stream = OutputStream(self.tm.generate_request(obj))
             if obj.stream:
-                await stream.prime(self.ctx.keepalive_interval)
+                if not await prime_until_disconnect(
+                    raw_request, stream, self.ctx.keepalive_interval
+                ):
+                    await stream.aclose()
+                    return Response(status_code=CLIENT_CLOSED)
                 return SSEResponse(self.sse_body(state, stream), on_close=stream.aclose)
             work = self.collect_response(state, stream)
             return await run_until_disconnect(raw_request, work)

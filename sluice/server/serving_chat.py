@@ -44,6 +44,7 @@ class OpenAIServingChat(OpenAIServingBase):
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
             stream=req.stream,
+            timeout=req.timeout or 0.0,
         )
 
     def new_state(self, req: ChatCompletionRequest, obj: GenerateReqInput) -> ResponseState:

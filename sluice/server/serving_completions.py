@@ -40,6 +40,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             logprob_start_len=0 if (req.echo and want_logprobs) else -1,
             top_logprobs_num=req.logprobs or 0,
             stream=req.stream,
+            timeout=req.timeout or 0.0,
         )
 
     async def echo_prompts(self, req: CompletionRequest) -> list[str]:

@@ -1,8 +1,12 @@
 """POST /generate: SGLang's native API, so its clients work unchanged.
 
 Non-streaming returns `{"text", "output_ids", "meta_info"}` (a list for a batch or n > 1).
-Streaming sends `data: {...}` per update with the cumulative text, then `data: [DONE]`. An abort
-finish becomes an error (a status before the stream starts, an error frame after).
+Streaming sends `data: {...}` per update with the cumulative text, then `data: [DONE]`.
+An aborted request ends with what it had and `meta_info.finish_reason` of type "abort" (with
+its `status_code`, `code` and `message`): as the last streamed update, or, non-streaming, as the
+body of a 200 when the client asked for the abort (499, /abort_request); an abort the server
+decided (timeout 503, invalid 400, internal error 500, shutdown 503) is that error status with
+an OpenAI error body instead.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from sluice.server.errors import error_frame, error_response
 from sluice.server.protocol import GenerateRequest
 from sluice.server.serving_base import (
+    CLIENT_CLOSED,
     OutputStream,
     ServingContext,
     finish_reason,
     make_usage,
     new_rid,
     parse_body,
+    prime_until_disconnect,
     run_until_disconnect,
 )
 from sluice.server.sse import DONE_FRAME, KEEPALIVE_FRAME, SSEResponse, sse_data
@@ -55,6 +61,7 @@ class ServingGenerate:
             top_logprobs_num=req.top_logprobs_num,
             stream=req.stream,
             session_params=req.session_params,
+            timeout=req.timeout or 0.0,
         )
 
     async def handle(self, raw_request: Request) -> Response:
@@ -66,7 +73,10 @@ class ServingGenerate:
             is_list = not obj.is_single or _num_samples(obj.sampling_params) > 1
             stream = OutputStream(self.ctx.tokenizer_manager.generate_request(obj))
             if obj.stream:
-                await stream.prime(self.ctx.keepalive_interval)
+                keepalive = self.ctx.keepalive_interval
+                if not await prime_until_disconnect(raw_request, stream, keepalive):
+                    await stream.aclose()
+                    return Response(status_code=CLIENT_CLOSED)
                 n = _num_samples(obj.sampling_params)
                 body = self._sse_body(stream, obj.return_logprob, is_list, n)
                 return SSEResponse(body, on_close=stream.aclose)
@@ -100,7 +110,6 @@ class ServingGenerate:
                     continue
                 tracker.on_output(item)
                 metas[item["index"]] = item["meta_info"]
-                finish_reason(item["meta_info"])  # raises on an abort finish
                 yield sse_data(self._output(item, with_logprobs, is_list))
             tracker.on_finish(make_usage(metas, n))
         except Exception as exc:
@@ -120,7 +129,9 @@ class ServingGenerate:
             await stream.aclose()
         items = [finals[i] for i in sorted(finals)]
         for item in items:
-            finish_reason(item["meta_info"])  # raises on an abort finish
+            reason = item["meta_info"].get("finish_reason") or {}
+            if reason.get("status_code") != CLIENT_CLOSED:
+                finish_reason(item["meta_info"])  # raises on a server-decided abort
         metas = {i: f["meta_info"] for i, f in finals.items()}
         tracker.on_finish(make_usage(metas, _num_samples(obj.sampling_params)))
         outputs = [self._output(item, obj.return_logprob, False) for item in items]

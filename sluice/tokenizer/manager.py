@@ -6,9 +6,16 @@ holds several items). Text comes back from the detokenizer as BatchStrOutput and
 one ReqState per rid; `generate_request` yields one dict per update of an item.
 
 Ownership: `rid_to_state` holds exactly the rids of live `generate_request` calls. A state is
-removed when its finish arrives, and again (if still there) in the call's `finally`, which
-covers errors, client disconnects and cancellation; a call that ends before its rids finish
-sends an AbortReq for each of them, so the scheduler frees their KV too.
+removed when its finish arrives, when it is aborted here (/abort_request, shutdown), and again
+(if still there) in the call's `finally`, which covers errors, client disconnects and
+cancellation. A rid ended here after it was sent to the scheduler gets an AbortReq and waits in
+`awaiting_echo` for the one finish the scheduler sends for every rid it took in; a rid ended
+before it was sent (still tokenizing) never reaches the scheduler. An output for a rid in
+neither place is a zombie (`counters.unknown_rid_outputs`).
+
+Admission: with --max-queued-requests Q, a request is refused with 429 when the rids in flight
+(in `rid_to_state` or awaiting an echo) plus its own would exceed max_running_requests + Q:
+counted here, exactly and at once, rather than from a scheduler report that lags by a step.
 """
 
 from __future__ import annotations
@@ -35,11 +42,13 @@ from sluice.messages import (
     FlushCacheReq,
     GetInternalStateReq,
     InternalStateReply,
+    SchedulerHeartbeat,
     SessionParams,
     TokenizedGenerateReqInput,
 )
 from sluice.model.model_config import ModelConfig
 from sluice.tokenizer import chat
+from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.generate_input import GenerateReqInput
 from sluice.tokenizer.normalize import Item, RequestError, normalize
 from sluice.tokenizer.req_state import ReqState, merge_update, output_dict
@@ -50,6 +59,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ReqState", "RequestError", "TokenizerManager"]
 
 CONTROL_TIMEOUT_S = 60.0
+RETRY_AFTER_S = 1  # the Retry-After of a 429
 
 
 class TokenizerManager:
@@ -66,10 +76,16 @@ class TokenizerManager:
         self.tokenizer = tokenizer
         self.context_len: int = int(scheduler_info["context_len"])
         self.max_total_tokens: int = int(scheduler_info["max_total_tokens"])
+        self.max_running_requests: int = int(scheduler_info.get("max_running_requests", 0))
         self.model_name: str = args.served_model_name or model_config.model_name
         self.rid_to_state: dict[str, ReqState] = {}
+        self.awaiting_echo: set[str] = set()  # rids ended here, their scheduler finish to come
+        self.counters = RequestCounters()
         self.is_healthy = True
         self.server_ready = False
+        self.shutting_down = False  # set by begin_shutdown: no new requests
+        self.last_scheduler_contact = time.monotonic()  # any message, heartbeats included
+        self.heartbeat_seen = False  # a scheduler that sends none (an encoder's) is not judged
         self._reply_to = addrs.tokenizer_in
         self._async_ctx = zmq.asyncio.Context()
         # sends never block (no high-water mark), so plain sockets do; one I/O thread for both
@@ -110,6 +126,7 @@ class TokenizerManager:
             state.finish(reason)
             state.notify()
         self.rid_to_state.clear()
+        self.awaiting_echo.clear()
         for waiters in (self._state_waiters, self._flush_waiters):
             while waiters:
                 fut = waiters.popleft()
@@ -122,23 +139,53 @@ class TokenizerManager:
         """Yields one dict per update of one item (see module docstring); with stream=False
         only each item's final dict. Raises RequestError before anything is sent."""
         self._check_healthy()
+        self._check_accepting()
         items = normalize(obj)
+        self._check_admission(len(items))
         states = self._register(items, obj)
-        sent = False
         try:
             reqs = await self._build_reqs(items, obj, states)
             self._check_healthy()
-            msg = reqs[0] if len(reqs) == 1 else BatchTokenizedGenerateReqInput(reqs)
-            ipc.send(self._to_scheduler, msg)
-            sent = True
+            self._send_unfinished(reqs, states)  # an item aborted while tokenizing stays here
             async for out in self._wait(states, obj.stream):
                 yield out
         finally:
-            self._release(states, sent)
+            self._release(states)
+
+    def _send_unfinished(
+        self, reqs: list[TokenizedGenerateReqInput], states: list[ReqState]
+    ) -> None:
+        live = [(r, s) for r, s in zip(reqs, states, strict=True) if not s.finished]
+        if not live:
+            return
+        msg = live[0][0] if len(live) == 1 else BatchTokenizedGenerateReqInput([r for r, _ in live])
+        ipc.send(self._to_scheduler, msg)
+        for _, state in live:
+            state.is_sent = True
+
+    def _check_accepting(self) -> None:
+        if self.shutting_down:
+            self.counters.rejected["shutting_down"] += 1
+            raise _unavailable("the server is shutting down", code="shutting_down")
+
+    def _check_admission(self, num_items: int) -> None:
+        limit = self.args.max_queued_requests
+        if limit <= 0:
+            return
+        in_flight = len(self.rid_to_state) + len(self.awaiting_echo)
+        if in_flight + num_items > self.max_running_requests + limit:
+            self.counters.rejected["queue_full"] += 1
+            err = RequestError(
+                f"the server is at capacity ({in_flight} requests in flight, up to "
+                f"{self.max_running_requests} running and {limit} queued); retry later",
+                status_code=429, code="queue_full",
+            )  # fmt: skip
+            err.headers = {"Retry-After": str(RETRY_AFTER_S)}  # type: ignore[attr-defined]
+            raise err
 
     def _register(self, items: list[Item], obj: GenerateReqInput) -> list[ReqState]:
         for item in items:
-            if item.rid in self.rid_to_state:
+            if item.rid in self.rid_to_state or item.rid in self.awaiting_echo:
                 raise RequestError(f"a request with id {item.rid!r} is in flight", param="rid")
         updates: asyncio.Queue[ReqState] = asyncio.Queue()
         group_rid = obj.rid if isinstance(obj.rid, str) else None
@@ -239,26 +286,60 @@ class TokenizerManager:
             elif stream:
                 yield output_dict(state)
 
-    def _release(self, states: list[ReqState], sent: bool) -> None:
+    def _release(self, states: list[ReqState]) -> None:
+        """The end of a generate_request call: whatever of it is unfinished was disconnected."""
         for state in states:
-            if self.rid_to_state.get(state.rid) is state:
+            if not state.finished:
+                self.counters.count_abort("client_disconnect")
+                self._end_here(state, "client")
+            elif self.rid_to_state.get(state.rid) is state:
                 del self.rid_to_state[state.rid]
-        if sent and self.is_healthy:
-            for state in states:
-                if not state.finished:
-                    self._send_abort(AbortReq(rid=state.rid))
 
-    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+    def _end_here(self, state: ReqState, cause: str) -> None:
+        """Remove a live rid now; if the scheduler has it, abort it there and await the echo."""
+        if self.rid_to_state.get(state.rid) is state:
+            del self.rid_to_state[state.rid]
+        if state.is_sent and self.is_healthy:
+            self.awaiting_echo.add(state.rid)
+            self._send_abort(AbortReq(rid=state.rid, reason=cause))
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
         """Abort one request (its rid, or the rid the client gave a batch / n > 1 request) or
-        all; each aborted rid finishes with finish_reason type "abort"."""
-        if abort_all:
-            self._send_abort(AbortReq(abort_all=True))
-            return
-        if not rid:
+        all, in any phase; each finishes at once with finish_reason type "abort" and the
+        output it had. Idempotent: an unknown or finished rid is ignored. Returns how many
+        rids were aborted."""
+        if not abort_all and not rid:
             raise RequestError("give a rid or abort_all", param="rid")
-        rids = [s.rid for s in self.rid_to_state.values() if rid in (s.rid, s.group_rid)]
-        for r in rids or [rid]:
-            self._send_abort(AbortReq(rid=r))
+        states = [s for s in self.rid_to_state.values() if abort_all or rid in (s.rid, s.group_rid)]
+        reason = FinishReason(
+            type="abort", message="the request was aborted", status_code=499,
+            code="request_aborted",
+        )  # fmt: skip
+        for state in states:
+            self.counters.count_abort("abort_request")
+            self._finish_here(state, reason, "client")
+        return len(states)
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503); those in flight go on."""
+        self.shutting_down = True
+
+    def abort_all_for_shutdown(self) -> int:
+        """End every live rid with a 503 "shutdown" abort (the drain ran out of time)."""
+        reason = FinishReason(
+            type="abort", message="the server is shutting down and the request did not finish "
+            "within the shutdown timeout", status_code=503, code="shutdown",
+        )  # fmt: skip
+        states = list(self.rid_to_state.values())
+        for state in states:
+            self.counters.count_abort("shutdown")
+            self._finish_here(state, reason, "shutdown")
+        return len(states)
+
+    def _finish_here(self, state: ReqState, reason: FinishReason, cause: str) -> None:
+        state.finish(reason)
+        state.notify()
+        self._end_here(state, cause)
 
     def _send_abort(self, msg: AbortReq) -> None:
         ipc.send(self._to_scheduler, msg)
@@ -269,6 +350,7 @@ class TokenizerManager:
     async def _handle_loop(self) -> None:
         while True:
             frames = await self._recv_sock.recv_multipart()
+            self.last_scheduler_contact = time.monotonic()
             try:
                 self._dispatch(ipc.decode(frames))
             except Exception:  # this loop must outlive any one bad message
@@ -281,18 +363,31 @@ class TokenizerManager:
             _resolve_first(self._state_waiters, msg)
         elif isinstance(msg, FlushCacheReply):
             _resolve_first(self._flush_waiters, msg)
+        elif isinstance(msg, SchedulerHeartbeat):
+            self.heartbeat_seen = True  # its arrival is the news
         else:
             logger.error("dropped a message of unexpected type %s", type(msg).__name__)
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)
-            if state is None:  # its consumer is gone; the abort is on its way
+            if state is None:
+                self._on_stray_output(rid, out.finished_reasons[i] is not None)
                 continue
             merge_update(state, out, i)
             if state.finished:
                 del self.rid_to_state[rid]
+                self.counters.count_finish(state.meta["finish_reason"])
             state.notify()
+
+    def _on_stray_output(self, rid: str, finished: bool) -> None:
+        """An output for a rid without a state: expected (up to its finish) for a rid ended
+        here, a zombie otherwise."""
+        if rid in self.awaiting_echo:
+            if finished:
+                self.awaiting_echo.discard(rid)
+        else:
+            self.counters.unknown_rid_outputs += 1
 
     # ---- other services -------------------------------------------------------------------
 
@@ -321,10 +416,16 @@ class TokenizerManager:
         return await self._run(self.tokenizer.decode, ids)
 
     async def get_internal_state(self) -> dict[str, Any]:
+        """Every process's view: the scheduler's queues and KV pool, the detokenizer's states
+        and this process's rids (live ones and those awaiting an abort echo)."""
         reply = await self._control(GetInternalStateReq(), self._state_waiters)
         state = msgspec.structs.asdict(reply.state)
-        state["num_req_states"] = len(self.rid_to_state)
+        state["num_req_states"] = len(self.rid_to_state) + len(self.awaiting_echo)
         state["num_detokenizer_states"] = reply.num_detokenizer_states
+        state["kv_pool"] = {
+            "total": state["kv_total"], "free": state["kv_free"],
+            "cached": state["kv_cached"], "in_use": state["kv_in_use"],
+        }  # fmt: skip
         return state
 
     async def flush_cache(self) -> bool:
@@ -374,5 +475,5 @@ def _context_error(message: str) -> RequestError:
     return RequestError(message, code="context_length_exceeded", param="messages")
 
 
-def _unavailable(message: str) -> RequestError:
-    return RequestError(message, status_code=503, code="service_unavailable")
+def _unavailable(message: str, code: str = "service_unavailable") -> RequestError:
+    return RequestError(message, status_code=503, code=code)

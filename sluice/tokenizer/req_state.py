@@ -34,6 +34,7 @@ class ReqState:
     meta: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
     queued: bool = False
+    is_sent: bool = False  # handed to the scheduler (so it will send one finish for it)
     sent_text_len: int = 0  # characters of `text` already yielded
     sent_logprob_len: int = 0  # entries of output_token_logprobs already yielded
 

@@ -35,7 +35,8 @@ def _free_port() -> int:
 def server() -> Iterator[str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port),
-           "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning"]  # fmt: skip
+           "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning",
+           "--no-embedding-model"]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     try:

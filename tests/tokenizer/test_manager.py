@@ -44,7 +44,10 @@ class Serving:
 
 @pytest.fixture(scope="module")
 def serving(tiny_llama_dir: str) -> Iterator[Serving]:
-    args = ServerArgs(model_path=tiny_llama_dir, max_total_tokens=4096, check_invariants=True)
+    args = ServerArgs(
+        model_path=tiny_llama_dir, max_total_tokens=4096, check_invariants=True,
+        no_embedding_model=True,
+    )  # fmt: skip
     loop = asyncio.new_event_loop()
     procs = ServingProcesses(args)
     tm = loop.run_until_complete(procs.__aenter__())
@@ -300,3 +303,23 @@ def test_flush_cache_empties_the_radix_cache(serving: Serving) -> None:
     assert serving.run(serving.tm.flush_cache()) is True
     state = serving.run(serving.tm.get_internal_state())
     assert state["kv_cached"] == 0 and state["kv_free"] == state["kv_total"]
+
+
+def test_abort_while_tokenizing_never_reaches_the_scheduler(serving: Serving) -> None:
+    async def go() -> dict[str, Any]:
+        tm = serving.tm
+        gen = tm.generate_request(GenerateReqInput(text="x " * 300, rid="tok", stream=True))
+        first = asyncio.ensure_future(gen.__anext__())
+        while "tok" not in tm.rid_to_state:  # registered, now awaiting the tokenizer thread
+            await asyncio.sleep(0)
+        assert not tm.rid_to_state["tok"].is_sent
+        assert await tm.abort_request("tok") == 1
+        out = await first
+        assert not tm.awaiting_echo and not tm.rid_to_state  # nothing was sent, nothing awaited
+        assert await tm.abort_request("tok") == 0  # idempotent
+        await gen.aclose()
+        return out
+
+    out = serving.run(go())
+    assert out["meta_info"]["finish_reason"]["code"] == "request_aborted"
+    assert serving.tm.counters.unknown_rid_outputs == 0

@@ -1,0 +1,162 @@
+"""EncoderScheduler: the scheduler of an encoder model (embeddings, cross-encoder scores).
+
+Every request is prefill-only and finishes in the step that runs it, so there is no running
+batch and no KV cache: a waiting queue, and one forward per step over as many waiting requests
+(first come, first served) as fit the token budget, counted as the padded batch the model runs
+(requests × longest input). A request alone is always admitted, whatever its length.
+
+Ownership: a request is in `waiting` from intake until the step that runs it or its abort; its
+result (or its abort) goes into `outputs`, emitted by the next `step()` as one
+BatchEmbeddingOutput. At idle, nothing is waiting and nothing is held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Protocol
+
+import torch
+
+from sluice.messages import (
+    AbortReq,
+    BatchEmbeddingOutput,
+    FinishReason,
+    InternalState,
+    TokenizedEmbeddingReqInput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Encoder(Protocol):
+    def forward(
+        self, seqs: list[list[int]], token_types: list[list[int] | None] | None = None
+    ) -> torch.Tensor: ...
+
+
+class EncoderScheduler:
+    def __init__(
+        self,
+        runner: Encoder,
+        vocab_size: int,
+        context_len: int,
+        max_batch_tokens: int,
+        max_batch_reqs: int,
+    ) -> None:
+        self.runner = runner
+        self.vocab_size, self.context_len = vocab_size, context_len
+        self.max_batch_tokens, self.max_batch_reqs = max_batch_tokens, max_batch_reqs
+        self.waiting: deque[TokenizedEmbeddingReqInput] = deque()
+        self.outputs: list[tuple[TokenizedEmbeddingReqInput, bytes, FinishReason]] = []
+        self.last_heartbeat = time.monotonic()
+        self.num_forward_steps = 0
+
+    # ---- intake -------------------------------------------------------------------------
+
+    def add_request(self, msg: TokenizedEmbeddingReqInput) -> None:
+        error = self._validate(msg)
+        if error is not None:
+            self._finish(msg, b"", _abort(error, 400, "invalid_request"))
+            return
+        self.waiting.append(msg)
+
+    def _validate(self, msg: TokenizedEmbeddingReqInput) -> str | None:
+        ids = msg.input_ids
+        if not ids:
+            return "the input is empty"
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            return f"token ids must be in [0, {self.vocab_size})"
+        if len(ids) > self.context_len:
+            return f"the input has {len(ids)} tokens; this model takes at most {self.context_len}"
+        if msg.token_type_ids is not None and len(msg.token_type_ids) != len(ids):
+            return "token_type_ids and input_ids differ in length"
+        if any(r.rid == msg.rid for r in self.waiting):
+            return f"a request with rid {msg.rid!r} is already waiting"
+        return None
+
+    def abort(self, msg: AbortReq) -> None:
+        """Waiting requests end with an abort; a request already run has nothing to abort."""
+        reason = _abort("the request was aborted", 499, "request_aborted")
+        keep: deque[TokenizedEmbeddingReqInput] = deque()
+        for req in self.waiting:
+            if msg.abort_all or req.rid == msg.rid:
+                self._finish(req, b"", reason)
+            else:
+                keep.append(req)
+        self.waiting = keep
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def step(self) -> BatchEmbeddingOutput | None:
+        self.last_heartbeat = time.monotonic()
+        batch = self._take_batch()
+        if batch:
+            self._run(batch)
+        return self._take_outputs()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.outputs)
+
+    def is_idle(self) -> bool:
+        return not self.waiting
+
+    def _take_batch(self) -> list[TokenizedEmbeddingReqInput]:
+        batch: list[TokenizedEmbeddingReqInput] = []
+        longest = 0
+        while self.waiting and len(batch) < self.max_batch_reqs:
+            longest_with = max(longest, len(self.waiting[0].input_ids))
+            if batch and longest_with * (len(batch) + 1) > self.max_batch_tokens:
+                break
+            batch.append(self.waiting.popleft())
+            longest = longest_with
+        return batch
+
+    def _run(self, batch: list[TokenizedEmbeddingReqInput]) -> None:
+        """One forward; a failing forward ends the batch's requests with a 500, not the process."""
+        try:
+            out = self.runner.forward(
+                [r.input_ids for r in batch], [r.token_type_ids for r in batch]
+            )  # [B, dim]
+        except Exception as exc:
+            logger.exception("forward failed; aborting the %d requests of the batch", len(batch))
+            reason = _abort(f"internal error: {type(exc).__name__}: {exc}", 500, "internal_error")
+            for req in batch:
+                self._finish(req, b"", reason)
+            return
+        self.num_forward_steps += 1
+        rows = out.to(torch.float32).cpu().numpy().astype("<f4")
+        done = FinishReason(type="length")
+        for req, row in zip(batch, rows, strict=True):
+            self._finish(req, row.tobytes(), done)
+
+    def _finish(self, req: TokenizedEmbeddingReqInput, vector: bytes, reason: FinishReason) -> None:
+        self.outputs.append((req, vector, reason))
+
+    def _take_outputs(self) -> BatchEmbeddingOutput | None:
+        if not self.outputs:
+            return None
+        outputs, self.outputs = self.outputs, []
+        return BatchEmbeddingOutput(
+            rids=[r.rid for r, _, _ in outputs],
+            embeddings=[v for _, v, _ in outputs],
+            prompt_tokens=[len(r.input_ids) for r, _, _ in outputs],
+            finished_reasons=[f for _, _, f in outputs],
+            reply_to=[r.reply_to for r, _, _ in outputs],
+        )
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def internal_state(self) -> InternalState:
+        return InternalState(
+            num_running_reqs=0, num_waiting_reqs=len(self.waiting), kv_total=0, kv_free=0,
+            kv_cached=0, kv_in_use=0, last_heartbeat=self.last_heartbeat,
+        )  # fmt: skip
+
+    def flush_cache(self) -> bool:
+        return True  # nothing is cached
+
+
+def _abort(message: str, status_code: int, code: str) -> FinishReason:
+    return FinishReason(type="abort", message=message, status_code=status_code, code=code)

@@ -1,0 +1,54 @@
+"""Counters of the request path kept by the TokenizerManager: how requests ended early.
+
+Each early end of a rid is counted exactly once, at the place that decides it: a disconnect or
+/abort_request where the TokenizerManager ends the rid; a timeout, invalid input or internal
+error when the scheduler's abort finish arrives for a live rid. `unknown_rid_outputs` counts
+outputs for an rid the TokenizerManager neither holds nor awaits an abort echo for: zombies,
+which should never happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ABORT_CAUSES = ("client_disconnect", "abort_request", "timeout", "invalid", "internal_error")
+TIMEOUT_KINDS = ("waiting", "running", "request")
+REJECT_REASONS = ("queue_full", "shutting_down")
+
+
+@dataclass
+class RequestCounters:
+    aborts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ABORT_CAUSES, 0))
+    timeouts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIMEOUT_KINDS, 0))
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
+    unknown_rid_outputs: int = 0
+
+    def count_abort(self, cause: str) -> None:
+        self.aborts[cause] = self.aborts.get(cause, 0) + 1
+
+    def count_finish(self, reason: dict[str, Any]) -> None:
+        """Count a scheduler-side abort finish (`reason` as in meta_info["finish_reason"])."""
+        if reason.get("type") != "abort":
+            return
+        code = reason.get("code")
+        if code == "timeout":
+            kind = str(reason.get("matched") or "request_timeout").removesuffix("_timeout")
+            self.timeouts[kind] = self.timeouts.get(kind, 0) + 1
+            self.count_abort("timeout")
+        elif code == "shutdown":
+            self.count_abort("shutdown")
+        elif code == "request_aborted":
+            self.count_abort("abort_request")
+        elif reason.get("status_code") == 400:
+            self.count_abort("invalid")
+        else:
+            self.count_abort("internal_error")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "aborts": dict(self.aborts),
+            "timeouts": dict(self.timeouts),
+            "rejected": dict(self.rejected),
+            "unknown_rid_outputs": self.unknown_rid_outputs,
+        }

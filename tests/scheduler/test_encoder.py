@@ -1,0 +1,100 @@
+"""EncoderScheduler against a fake encoder: batching under the token budget, validation,
+abort of waiting requests, and outputs that keep each request's own vector."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sluice.messages import AbortReq, TokenizedEmbeddingReqInput
+from sluice.scheduler.encoder import EncoderScheduler
+
+
+class FakeEncoder:
+    """The vector of a sequence is [len, first id]; records the batch sizes it ran."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.batches: list[int] = []
+        self.fail = fail
+
+    def forward(self, seqs, token_types=None) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("boom")
+        self.batches.append(len(seqs))
+        return torch.tensor([[len(s), s[0]] for s in seqs], dtype=torch.float32)
+
+
+def _req(rid: str, n: int, first: int = 1) -> TokenizedEmbeddingReqInput:
+    return TokenizedEmbeddingReqInput(rid=rid, input_ids=[first] + [2] * (n - 1), reply_to="r")
+
+
+def _scheduler(enc: FakeEncoder, budget: int = 40) -> EncoderScheduler:
+    return EncoderScheduler(
+        enc, vocab_size=100, context_len=32, max_batch_tokens=budget, max_batch_reqs=8
+    )
+
+
+def _vectors(out) -> dict[str, list[float]]:
+    return {r: np.frombuffer(e, dtype="<f4").tolist() for r, e in zip(out.rids, out.embeddings)}
+
+
+def test_batches_fill_the_padded_token_budget_in_order() -> None:
+    enc = FakeEncoder()
+    s = _scheduler(enc)
+    for i in range(6):
+        s.add_request(_req(f"r{i}", 10, first=i + 3))  # 10 tokens each: 4 fit a budget of 40
+    first = s.step()
+    assert enc.batches == [4] and first.rids == ["r0", "r1", "r2", "r3"]
+    assert _vectors(first)["r2"] == [10.0, 5.0]
+    second = s.step()
+    assert second.rids == ["r4", "r5"] and all(f.type == "length" for f in second.finished_reasons)
+    assert second.prompt_tokens == [10, 10] and second.reply_to == ["r", "r"]
+    assert s.is_idle() and not s.has_work() and s.step() is None
+
+
+def test_a_long_request_runs_alone_and_padding_counts() -> None:
+    enc = FakeEncoder()
+    s = _scheduler(enc, budget=40)
+    s.add_request(_req("short", 2))
+    s.add_request(_req("long", 30))  # 2 x 30 padded tokens > 40
+    s.step()
+    s.step()
+    assert enc.batches == [1, 1]
+
+
+def test_invalid_inputs_finish_with_400_without_running() -> None:
+    enc = FakeEncoder()
+    s = _scheduler(enc)
+    s.add_request(TokenizedEmbeddingReqInput(rid="empty", input_ids=[]))
+    s.add_request(TokenizedEmbeddingReqInput(rid="oov", input_ids=[1, 100]))
+    s.add_request(_req("long", 33))
+    s.add_request(TokenizedEmbeddingReqInput(rid="types", input_ids=[1, 2], token_type_ids=[0]))
+    out = s.step()
+    assert out.rids == ["empty", "oov", "long", "types"]
+    assert all(f.type == "abort" and f.status_code == 400 for f in out.finished_reasons)
+    assert out.embeddings == [b""] * 4 and enc.batches == []
+
+
+def test_abort_ends_waiting_requests_only() -> None:
+    s = _scheduler(FakeEncoder())
+    for rid in ("a", "b", "c"):
+        s.add_request(_req(rid, 3))
+    s.abort(AbortReq(rid="b"))
+    out = s.step()
+    reasons = dict(zip(out.rids, out.finished_reasons))
+    assert reasons["b"].type == "abort" and reasons["b"].status_code == 499
+    assert reasons["a"].type == reasons["c"].type == "length"
+    s.add_request(_req("d", 3))
+    s.add_request(_req("e", 3))
+    s.abort(AbortReq(abort_all=True))
+    assert s.internal_state().num_waiting_reqs == 0
+    assert [f.status_code for f in s.step().finished_reasons] == [499, 499]
+
+
+def test_a_failing_forward_fails_its_batch_with_500() -> None:
+    s = _scheduler(FakeEncoder(fail=True))
+    s.add_request(_req("a", 3))
+    out = s.step()
+    assert out.finished_reasons[0].status_code == 500 and "boom" in out.finished_reasons[0].message
+    state = s.internal_state()
+    assert (state.kv_total, state.num_running_reqs, state.num_waiting_reqs) == (0, 0, 0)

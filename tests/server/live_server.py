@@ -1,0 +1,104 @@
+"""A real `python -m sluice serve` for end-to-end tests: start, poll its internal state, stop.
+
+`LiveServer.wait_idle` polls `/get_server_info` until no process holds any request state (with
+a deadline) and returns the last internal state, for the no-state-left-behind assertions.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.tiny_models import make_tiny_llama
+
+
+def long_context_tiny_llama(dir: Path, tokenizer_dir: str) -> str:
+    """The tiny Llama with room for 4096 positions, so one request can decode for seconds."""
+    return make_tiny_llama(dir, tokenizer_dir=tokenizer_dir, max_position_embeddings=4096)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, model_path: str, args: list[str], log: Path) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "sluice", "serve", "--model-path", model_path,
+               "--port", str(self.port), "--num-threads", "1", *args]  # fmt: skip
+        with open(log, "w") as f:
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        self.ps = psutil.Process(self.proc.pid)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.base}/health_generate", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(self.log.read_text())
+
+    def state(self) -> dict[str, Any]:
+        return httpx.get(f"{self.base}/get_server_info", timeout=10).json()["internal_state"]
+
+    def wait_for(self, cond: Any, timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.state()
+            if cond(state):
+                return state
+            assert time.monotonic() < deadline, f"condition not reached: {state}"
+            time.sleep(0.01)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, Any]:
+        return self.wait_for(is_idle, timeout)
+
+    def child(self, title: str) -> psutil.Process:
+        kids = self.ps.children(recursive=True)
+        return next(p for p in kids if " ".join(p.cmdline()).startswith(title))
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.base}/metrics", timeout=10).text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def is_idle(state: dict[str, Any]) -> bool:
+    return (
+        state["num_running_reqs"] + state["num_waiting_reqs"] + state["num_req_states"]
+        + state["num_detokenizer_states"] == 0
+    )  # fmt: skip
+
+
+def assert_no_state_left(state: dict[str, Any]) -> None:
+    assert is_idle(state), state
+    pool = state["kv_pool"]
+    assert pool["in_use"] == 0 and pool["free"] + pool["cached"] == pool["total"], pool
+
+
+def metric(text: str, name: str) -> float:
+    """The value of one sample line `name ...` of a Prometheus text page (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import uuid
 from collections import deque
@@ -116,7 +115,6 @@ class EmbeddingManager:
         self._state_waiters: deque[asyncio.Future[InternalStateReply]] = deque()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed-tokenize")
         self._loop_task: asyncio.Task[None] | None = None
-        self._ids = itertools.count()
 
     # ---- lifecycle ------------------------------------------------------------------------
 

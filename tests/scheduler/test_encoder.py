@@ -35,7 +35,10 @@ def _scheduler(enc: FakeEncoder, budget: int = 40) -> EncoderScheduler:
 
 
 def _vectors(out) -> dict[str, list[float]]:
-    return {r: np.frombuffer(e, dtype="<f4").tolist() for r, e in zip(out.rids, out.embeddings)}
+    return {
+        r: np.frombuffer(e, dtype="<f4").tolist()
+        for r, e in zip(out.rids, out.embeddings, strict=True)
+    }
 
 
 def test_batches_fill_the_padded_token_budget_in_order() -> None:
@@ -81,7 +84,7 @@ def test_abort_ends_waiting_requests_only() -> None:
         s.add_request(_req(rid, 3))
     s.abort(AbortReq(rid="b"))
     out = s.step()
-    reasons = dict(zip(out.rids, out.finished_reasons))
+    reasons = dict(zip(out.rids, out.finished_reasons, strict=True))
     assert reasons["b"].type == "abort" and reasons["b"].status_code == 499
     assert reasons["a"].type == reasons["c"].type == "length"
     s.add_request(_req("d", 3))

@@ -141,6 +141,32 @@ class GetInternalStateReq(msgspec.Struct):
     pass
 
 
+class OpenSessionReq(msgspec.Struct, omit_defaults=True):
+    """Open a session (the TokenizerManager picks `session_id` when the client gave none).
+
+    `timeout`: seconds idle (no turn running) before the scheduler closes it; 0: never.
+    `capacity_of_str_len` is kept for SGLang compatibility and not enforced.
+    """
+
+    session_id: str
+    timeout: float = 0.0
+    capacity_of_str_len: int = 0
+
+
+class OpenSessionReply(msgspec.Struct, omit_defaults=True):
+    """Scheduler → detokenizer → TokenizerManager, answering OpenSessionReq."""
+
+    session_id: str
+    success: bool
+    message: str = ""
+
+
+class CloseSessionReq(msgspec.Struct):
+    """Fire and forget: close a session; an unknown id is ignored."""
+
+    session_id: str
+
+
 class InternalState(msgspec.Struct):
     num_running_reqs: int
     num_waiting_reqs: int
@@ -150,6 +176,7 @@ class InternalState(msgspec.Struct):
     kv_in_use: int
     last_heartbeat: float
     num_retractions: int = 0
+    num_sessions: int = 0
 
 
 class SchedulerHeartbeat(msgspec.Struct):

@@ -68,6 +68,39 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
 
 
+class LogitsProjector:
+    """The LM head, tuned for CPU: the vocab projection is the largest matmul of a decode step.
+
+    MKL picks a poor blocking for N = vocab (~50k) at small M: splitting N into 2k-column slabs
+    is ~1.5x faster at M = 32, and a prepacked weight is ~2x faster for a single row (one
+    decoding stream). Same arithmetic per logit, so results do not change. Elsewhere (CUDA, no
+    MKL) it is a plain linear.
+    """
+
+    CHUNK = 2048
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # [vocab, hidden]
+        self.on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.packed_m1 = None
+        if self.on_cpu and torch.backends.mkl.is_available():
+            try:
+                self.packed_m1 = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
+            except (RuntimeError, AttributeError):
+                self.packed_m1 = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, hidden] -> [N, vocab]
+        if not self.on_cpu:
+            return F.linear(x, self.weight)
+        if x.shape[0] == 1 and self.packed_m1 is not None:
+            return torch.ops.mkl._mkl_linear(x, self.packed_m1, self.weight, None, 1)
+        w = self.weight
+        return torch.cat(
+            [F.linear(x, w[i : i + self.CHUNK]) for i in range(0, w.shape[0], self.CHUNK)], 1
+        )
+
+
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the pool, then attends over each request's slots."""
 

@@ -26,11 +26,13 @@ from sluice.messages import (
     AbortReq,
     BatchTokenIDOutput,
     BatchTokenizedGenerateReqInput,
+    CloseSessionReq,
     FinishReason,
     FlushCacheReply,
     FlushCacheReq,
     GetInternalStateReq,
     InternalStateReply,
+    OpenSessionReq,
     ReadyMsg,
     SamplingParams,
     SchedulerHeartbeat,
@@ -107,6 +109,7 @@ class SchedulerLoop:
             out = self.scheduler.step()
             if out is not None:
                 ipc.send(self.send_sock, out)
+        self.scheduler.expire_sessions()  # about once a second, busy or idle
         now = time.monotonic()
         if now - self.last_beat >= self.heartbeat_interval:
             self.last_beat = now
@@ -132,6 +135,10 @@ class SchedulerLoop:
             ipc.send(self.send_sock, InternalStateReply(self.scheduler.internal_state()))
         elif isinstance(msg, FlushCacheReq):
             ipc.send(self.send_sock, FlushCacheReply(self.scheduler.flush_cache()))
+        elif isinstance(msg, OpenSessionReq):
+            ipc.send(self.send_sock, self.scheduler.open_session(msg))
+        elif isinstance(msg, CloseSessionReq):
+            self.scheduler.close_session(msg)
         else:
             logger.error("dropped a message of unexpected type %s", type(msg).__name__)
 

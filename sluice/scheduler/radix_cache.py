@@ -9,12 +9,18 @@ Sizes: `evictable_size() + protected_size() == total_size()` is the number of sl
 At an idle moment (no running requests) `allocator.available_size() + total_size() == size`.
 
 Page size is 1: a node may be split at any token.
+
+Eviction priority: every node remembers the `tag` of the request that last inserted it (a
+session id for a session's turn, else None). `evict(n, keep_tags)` takes unlocked leaves whose
+tag is not in `keep_tags` first (LRU among them), and only then the others (LRU), so the open
+sessions' conversations outlive other cached prefixes.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +42,7 @@ class TreeNode:
     # number of locks held on this node or on any descendant (a lock pins the path to the root)
     lock_ref: int = 0
     last_access: int = 0
+    tag: str | None = None  # who last inserted this node (see module docstring)
     id: int = field(default_factory=lambda: next(_node_ids))
 
     def __repr__(self) -> str:
@@ -108,21 +115,27 @@ class RadixCache:
         indices = torch.cat(values) if values else self._empty
         return MatchResult(indices, node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, tag: str | None = None) -> int:
         """Insert key -> value; return how many leading tokens were already in the tree.
 
         Slots value[:returned] stay with the caller (the tree has its own for those tokens);
-        slots value[returned:] become owned by the tree.
+        slots value[returned:] become owned by the tree. Every node of the key's path gets `tag`.
         """
         if self.disable or not key:
             return 0
         key = key if isinstance(key, list) else list(key)
         assert len(value) >= len(key), "insert needs a slot for every token"
         node, matched_len, _ = self._walk(key)
+        self._tag_path(node, tag)
         if matched_len < len(key):
             # cloned: the caller's tensor may be a view of a req_to_token row that gets reused
-            self._add_leaf(node, key[matched_len:], value[matched_len : len(key)].clone())
+            self._add_leaf(node, key[matched_len:], value[matched_len : len(key)].clone(), tag)
         return matched_len
+
+    def _tag_path(self, node: TreeNode, tag: str | None) -> None:
+        while node is not self.root_node:
+            node.tag = tag
+            node = node.parent
 
     def _walk(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Follow key from the root, refreshing access times; split where the match ends mid-node.
@@ -156,6 +169,7 @@ class RadixCache:
             parent=parent,
             lock_ref=node.lock_ref,
             last_access=node.last_access,
+            tag=node.tag,
         )
         node.key = node.key[split_len:]
         node.value = node.value[split_len:]
@@ -164,8 +178,12 @@ class RadixCache:
         parent.children[new.key[0]] = new
         return new
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor) -> None:
-        leaf = TreeNode(key=key, value=value, parent=parent, last_access=parent.last_access)
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, tag: str | None = None
+    ) -> None:
+        leaf = TreeNode(
+            key=key, value=value, parent=parent, last_access=parent.last_access, tag=tag
+        )
         parent.children[key[0]] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
@@ -197,24 +215,29 @@ class RadixCache:
 
     # ---- eviction ----------------------------------------------------------------------------
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens slots if possible, least recently used unlocked leaves first.
+    def evict(self, num_tokens: int, keep_tags: Container[str | None] = ()) -> int:
+        """Free at least num_tokens slots if possible: unlocked leaves whose tag is not in
+        `keep_tags` first, then the others, least recently used first within each group.
 
         A parent that becomes an unlocked leaf joins the candidates. Returns the number freed.
         """
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._leaves if n.lock_ref == 0]
+
+        def entry(n: TreeNode) -> tuple[bool, int, int, TreeNode]:
+            return (n.tag in keep_tags, n.last_access, n.id, n)
+
+        heap = [entry(n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
         num_freed = 0
         while num_freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+            node = heapq.heappop(heap)[-1]
             freed.append(node.value)
             num_freed += len(node.key)
             parent = self._remove_leaf(node)
             if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                heapq.heappush(heap, entry(parent))
         if freed:
             self.allocator.free(torch.cat(freed))
         return num_freed
@@ -250,6 +273,7 @@ class RadixCache:
         kv_indices: torch.Tensor,
         cache_protected_len: int,
         last_node: TreeNode,
+        tag: str | None = None,
     ) -> None:
         """Hand a finished request's KV to the tree and release its lock.
 
@@ -258,7 +282,7 @@ class RadixCache:
         if self.disable:
             self.allocator.free(kv_indices[cache_protected_len:])
             return
-        self._insert_request(token_ids, kv_indices, cache_protected_len)
+        self._insert_request(token_ids, kv_indices, cache_protected_len, tag)
         self.dec_lock_ref(last_node)
 
     def cache_unfinished(
@@ -267,6 +291,7 @@ class RadixCache:
         kv_indices: torch.Tensor,
         cache_protected_len: int,
         last_node: TreeNode,
+        tag: str | None = None,
     ) -> UnfinishedResult:
         """Hand a running request's KV so far to the tree; the request keeps using it under a lock.
 
@@ -275,7 +300,7 @@ class RadixCache:
         """
         if self.disable:
             return UnfinishedResult(kv_indices, self.root_node, 0)
-        key = self._insert_request(token_ids, kv_indices, cache_protected_len)
+        key = self._insert_request(token_ids, kv_indices, cache_protected_len, tag)
         match = self.match_prefix(key)
         assert len(match.indices) == len(key)
         self.inc_lock_ref(match.last_node)
@@ -283,14 +308,18 @@ class RadixCache:
         return UnfinishedResult(match.indices, match.last_node, len(key))
 
     def _insert_request(
-        self, token_ids: list[int], kv_indices: torch.Tensor, cache_protected_len: int
+        self,
+        token_ids: list[int],
+        kv_indices: torch.Tensor,
+        cache_protected_len: int,
+        tag: str | None = None,
     ) -> list[int]:
         """Insert the request's tokens that have KV; free its slots that duplicate tree slots."""
         num_kv = len(kv_indices)
         assert len(token_ids) >= num_kv, "more KV slots than tokens"
         key = token_ids[:num_kv]
         key = key if isinstance(key, list) else list(key)
-        already_len = self.insert(key, kv_indices)
+        already_len = self.insert(key, kv_indices, tag)
         assert already_len >= cache_protected_len, "a locked prefix went missing from the tree"
         self.allocator.free(kv_indices[cache_protected_len:already_len])
         return key

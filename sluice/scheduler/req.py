@@ -46,6 +46,8 @@ class Req:
         self.stream = stream
         self.reply_to = reply_to
         self.timeout = timeout
+        # the session this request is a turn of (set by the scheduler), None otherwise
+        self.session_id: str | None = None
 
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None

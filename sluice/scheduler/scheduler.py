@@ -22,8 +22,11 @@ from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
     BatchTokenIDOutput,
+    CloseSessionReq,
     FinishReason,
     InternalState,
+    OpenSessionReply,
+    OpenSessionReq,
     TokenizedGenerateReqInput,
 )
 from sluice.model.model_config import ModelConfig
@@ -36,6 +39,7 @@ from sluice.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting
 from sluice.scheduler.radix_cache import RadixCache
 from sluice.scheduler.req import Req
 from sluice.scheduler.resources import Resources
+from sluice.scheduler.sessions import SessionError, SessionManager, TurnPlan, prepended_bos
 from sluice.scheduler.timeouts import DeadlineTracker
 
 logger = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class Scheduler:
         self.finish_checker = FinishChecker(tokenizer, self.context_len)
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.rng = random.Random(args.random_seed)
+        self.sessions = SessionManager(prepended_bos(tokenizer))
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -71,30 +76,46 @@ class Scheduler:
     # ---- intake -------------------------------------------------------------------------
 
     def add_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = self._build_req(msg)
+        """Take a request in (a session turn's prompt is built from its session first), or
+        end it at once with a 400 abort."""
+        plan: TurnPlan | None = None
+        if msg.session_params is not None:
+            try:
+                plan = self.sessions.plan(msg.session_params, msg.rid, msg.input_ids)
+            except SessionError as e:
+                return self._reject(self._build_req(msg, msg.input_ids), e.message, e.code)
+        req = self._build_req(msg, plan.input_ids if plan is not None else msg.input_ids)
         error = self._validate(req)
         if msg.rid in self.reqs:
             error = f"a request with rid {msg.rid!r} is already running"
-            req.rid = msg.rid
         if error is not None:
-            req.finished_reason = FinishReason(
-                type="abort", message=error, status_code=400, code="invalid_request"
-            )
-            self.touched.append(req)
-            return
+            return self._reject(req, error, "invalid_request")
+        if plan is not None:
+            replaced = FinishReason(
+                type="abort", message="a later turn of the session replaced this request",
+                status_code=409, code="session_replaced",
+            )  # fmt: skip
+            for victim in self.sessions.start(plan, req, req.arrival_time):
+                self._mark_abort(victim, replaced)
         self.reqs[req.rid] = req
         self.waiting.append(req)
         self.deadlines.add(req, req.arrival_time)
 
-    def _build_req(self, msg: TokenizedGenerateReqInput) -> Req:
+    def _reject(self, req: Req, message: str, code: str) -> None:
+        req.finished_reason = FinishReason(
+            type="abort", message=message, status_code=400, code=code
+        )
+        self.touched.append(req)
+
+    def _build_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
         p = msg.sampling_params
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         if p.max_new_tokens is None:
             limit = min(self.context_len, self.allocator.size)
-            p.max_new_tokens = max(limit - len(msg.input_ids), 0)
+            p.max_new_tokens = max(limit - len(input_ids), 0)
         return Req(
-            msg.rid, list(msg.input_ids), p, seed, stop_ids,
+            msg.rid, list(input_ids), p, seed, stop_ids,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, reply_to=msg.reply_to,
             timeout=msg.timeout,
@@ -125,9 +146,28 @@ class Scheduler:
         rids = list(self.reqs) if msg.abort_all else [msg.rid]
         for rid in rids:
             req = self.reqs.get(rid)
-            if req is not None and req.to_abort is None:
-                req.to_abort = reason
-                self.aborting.append(req)
+            if req is not None:
+                self._mark_abort(req, reason)
+
+    def _mark_abort(self, req: Req, reason: FinishReason) -> None:
+        if req.to_abort is None:
+            req.to_abort = reason
+            self.aborting.append(req)
+
+    # ---- sessions -----------------------------------------------------------------------
+
+    def open_session(self, msg: OpenSessionReq) -> OpenSessionReply:
+        error = self.sessions.open(msg, time.monotonic())
+        return OpenSessionReply(msg.session_id, error is None, error or "")
+
+    def close_session(self, msg: CloseSessionReq) -> None:
+        """Its running turns go on as plain requests; its cached KV loses its priority."""
+        self.sessions.close(msg.session_id)
+
+    def expire_sessions(self) -> None:
+        """Cheap when called often: the idle-timeout scan runs about once a second."""
+        for sid in self.sessions.expire(time.monotonic()):
+            logger.info("session %s expired (idle past its timeout)", sid)
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -222,6 +262,8 @@ class Scheduler:
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
         self._release(req)
+        if req.session_id is not None:  # commit the turn, or roll an aborted one back
+            self.sessions.on_finish(req, time.monotonic())
 
     # ---- memory -------------------------------------------------------------------------
 
@@ -230,7 +272,9 @@ class Scheduler:
         if req.req_pool_idx is not None:
             kv = req.committed_kv(self.req_pool.req_to_token)
             fill = req.fill_ids[: req.kv_committed_len]
-            self.tree.cache_finished(fill, kv, req.cache_protected_len, req.last_node)
+            self.tree.cache_finished(
+                fill, kv, req.cache_protected_len, req.last_node, req.session_id
+            )
             self.req_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
@@ -239,14 +283,16 @@ class Scheduler:
     def _cache_unfinished(self, req: Req) -> None:
         kv = req.committed_kv(self.req_pool.req_to_token)
         fill = req.fill_ids[: req.kv_committed_len]
-        res = self.tree.cache_unfinished(fill, kv, req.cache_protected_len, req.last_node)
+        res = self.tree.cache_unfinished(
+            fill, kv, req.cache_protected_len, req.last_node, req.session_id
+        )
         self.req_pool.req_to_token[req.req_pool_idx, : len(res.indices)] = res.indices
         req.last_node, req.cache_protected_len = res.last_node, res.cache_protected_len
 
     def _ensure_free(self, num: int) -> None:
         short = num - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(short)
+        if short > 0:  # open sessions' conversations go last
+            self.tree.evict(short, keep_tags=self.sessions.sessions)
 
     def alloc_slots(self, num: int) -> torch.Tensor:
         self._ensure_free(num)
@@ -317,6 +363,7 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             kv_total=total, kv_free=free, kv_cached=cached, kv_in_use=total - free - cached,
             last_heartbeat=self.last_heartbeat, num_retractions=self.num_retractions,
+            num_sessions=len(self.sessions),
         )  # fmt: skip
 
     def check_idle_invariant(self) -> None:

@@ -69,6 +69,8 @@ class SamplingRequest(_Lenient):
     rid: str | None = None
     # extension: seconds the request may take in all before it ends with 503 "timeout"
     timeout: float | None = Field(default=None, ge=0)
+    # extension: continue a session ({id, rid, offset, replace, drop_previous_output})
+    session_params: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -214,6 +216,16 @@ class DetokenizeRequest(_Lenient):
 class AbortRequest(_Lenient):
     rid: str | None = None
     abort_all: bool = False
+
+
+class OpenSessionRequest(_Lenient):
+    session_id: str | None = None
+    timeout: float | None = Field(default=None, ge=0)  # idle seconds before it closes
+    capacity_of_str_len: int | None = Field(default=None, ge=0)  # accepted, not enforced
+
+
+class CloseSessionRequest(_Lenient):
+    session_id: str
 
 
 FinishReason = Literal["stop", "length"]

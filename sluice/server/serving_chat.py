@@ -45,6 +45,7 @@ class OpenAIServingChat(OpenAIServingBase):
             top_logprobs_num=req.top_logprobs or 0,
             stream=req.stream,
             timeout=req.timeout or 0.0,
+            session_params=req.session_params,
         )
 
     def new_state(self, req: ChatCompletionRequest, obj: GenerateReqInput) -> ResponseState:

@@ -41,6 +41,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             top_logprobs_num=req.logprobs or 0,
             stream=req.stream,
             timeout=req.timeout or 0.0,
+            session_params=req.session_params,
         )
 
     async def echo_prompts(self, req: CompletionRequest) -> list[str]:

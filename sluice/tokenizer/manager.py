@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,11 +38,14 @@ from sluice.messages import (
     AbortReq,
     BatchStrOutput,
     BatchTokenizedGenerateReqInput,
+    CloseSessionReq,
     FinishReason,
     FlushCacheReply,
     FlushCacheReq,
     GetInternalStateReq,
     InternalStateReply,
+    OpenSessionReply,
+    OpenSessionReq,
     SchedulerHeartbeat,
     SessionParams,
     TokenizedGenerateReqInput,
@@ -96,6 +100,7 @@ class TokenizerManager:
         # replies arrive in request order, so each kind of control call is a FIFO of futures
         self._state_waiters: deque[asyncio.Future[InternalStateReply]] = deque()
         self._flush_waiters: deque[asyncio.Future[FlushCacheReply]] = deque()
+        self._session_waiters: deque[asyncio.Future[OpenSessionReply]] = deque()
         # one thread: HF tokenizers are not safe to call concurrently
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._loop_task: asyncio.Task[None] | None = None
@@ -127,7 +132,7 @@ class TokenizerManager:
             state.notify()
         self.rid_to_state.clear()
         self.awaiting_echo.clear()
-        for waiters in (self._state_waiters, self._flush_waiters):
+        for waiters in (self._state_waiters, self._flush_waiters, self._session_waiters):
             while waiters:
                 fut = waiters.popleft()
                 if not fut.done():
@@ -204,7 +209,9 @@ class TokenizerManager:
         for item, state in zip(items, states, strict=True):
             ids = prompt_ids[item.prompt_index]
             self._validate_prompt(ids, param, obj)
-            self._resolve_max_new_tokens(item, len(ids))
+            if session is None or item.params.max_new_tokens is not None:
+                # a session turn's prompt is built by the scheduler, which fills the default
+                self._resolve_max_new_tokens(item, len(ids))
             state.prompt_ids, state.logprob_start_len = ids, obj.logprob_start_len
             state.meta["prompt_tokens"] = len(ids)
             reqs.append(
@@ -363,6 +370,8 @@ class TokenizerManager:
             _resolve_first(self._state_waiters, msg)
         elif isinstance(msg, FlushCacheReply):
             _resolve_first(self._flush_waiters, msg)
+        elif isinstance(msg, OpenSessionReply):
+            _resolve_first(self._session_waiters, msg)
         elif isinstance(msg, SchedulerHeartbeat):
             self.heartbeat_seen = True  # its arrival is the news
         else:
@@ -427,6 +436,23 @@ class TokenizerManager:
             "cached": state["kv_cached"], "in_use": state["kv_in_use"],
         }  # fmt: skip
         return state
+
+    async def open_session(
+        self, session_id: str | None = None, timeout: float = 0.0, capacity_of_str_len: int = 0
+    ) -> str:
+        """Open a session in the scheduler (a random id when none is given); returns its id.
+        Raises RequestError (400) when the scheduler refuses it (e.g. the id is open)."""
+        sid = session_id or uuid.uuid4().hex
+        msg = OpenSessionReq(sid, float(timeout or 0.0), int(capacity_of_str_len or 0))
+        reply = await self._control(msg, self._session_waiters)
+        if not reply.success:
+            raise RequestError(f"failed to open the session: {reply.message}", param="session_id")
+        return reply.session_id
+
+    def close_session(self, session_id: str) -> None:
+        """Fire and forget; a turn sent after this call is rejected (one ordered socket)."""
+        self._check_healthy()
+        ipc.send(self._to_scheduler, CloseSessionReq(session_id))
 
     async def flush_cache(self) -> bool:
         """True if the radix cache was emptied; False (nothing done) while requests run."""

@@ -81,7 +81,21 @@ def normalize(obj: GenerateReqInput) -> list[Item]:
         raise RequestError("top_logprobs_num must be >= 0", param="top_logprobs_num")
     if obj.logprob_start_len < -1:
         raise RequestError("logprob_start_len must be >= -1", param="logprob_start_len")
+    if obj.session_params is not None:
+        _check_session_request(obj, len(items))
     return items
+
+
+def _check_session_request(obj: GenerateReqInput, num_items: int) -> None:
+    """A session turn is one prompt and one sample; the prompt the scheduler builds is not the
+    one sent, so prompt logprobs (positions of the sent prompt) cannot be given."""
+    if num_items > 1:
+        raise RequestError("session_params need a single prompt and n = 1", param="session_params")
+    if obj.return_logprob and obj.logprob_start_len >= 0:
+        raise RequestError(
+            "prompt logprobs (logprob_start_len >= 0) are not available for a session turn",
+            param="logprob_start_len",
+        )
 
 
 def _prompts(obj: GenerateReqInput) -> list[str | list[int]]:

@@ -236,6 +236,7 @@ def test_invalid_session_params_are_400(drv: SessionDriver) -> None:
     _assert_error(drv.results["u5"], "invalid_session", "offset")
     drv.turn("u6", a, _session("errs"), **{**GREEDY, "max_new_tokens": 50})
     drv.turn("u7", a, _session("errs", rid="u6"))
+    drv.step()  # the refusal is reported with the next step's outputs
     _assert_error(drv.results["u7"], "invalid_session", "has not finished")
     drv.run_turn("u3", a, _session("errs", rid="u6"))  # a rid the session already holds
     drv.run()

@@ -29,6 +29,8 @@ from tests.server.live_server import (
 WAITING_TIMEOUT, RUNNING_TIMEOUT, HEALTH_TIMEOUT = 0.75, 1.5, 1.5
 LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}  # outlives RUNNING_TIMEOUT
 SHORT = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
+# long enough that, with one running slot, the aborted part is still queued when the abort lands
+MEDIUM = {"max_new_tokens": 600, "ignore_eos": True, "temperature": 0}
 CHAT = [{"role": "user", "content": "Tell me a long story."}]
 
 
@@ -186,20 +188,27 @@ def test_disconnect_one_of_n_and_one_prompt_of_a_batch() -> None:
 
 
 def test_abort_one_sample_and_one_prompt_by_rid() -> None:
+    """With one running slot, part 0 runs while parts 1 and 2 queue: aborting part 1 as soon as
+    part 0 streams its first token hits it in the queue, whatever the machine's speed."""
+
     async def go(client: httpx.AsyncClient) -> None:
         for body, rid in (
-            (_gen(_ids(4), {**SHORT, "n": 3}, rid="smp"), "smp-1"),
-            ({"input_ids": [_ids(4)] * 3, "sampling_params": SHORT, "rid": ["p0", "p1", "p2"]}, "p1"),
+            (_gen(_ids(4), {**SHORT, "n": 3}, rid="smp", stream=True), "smp-1"),
+            ({"input_ids": [_ids(4)] * 3, "sampling_params": SHORT, "rid": ["p0", "p1", "p2"],
+              "stream": True}, "p1"),
         ):  # fmt: skip
-            task = asyncio.create_task(client.post("/generate", json=body))
-            await _wait_for(client, lambda s: s["num_req_states"] == 3)
+            events: list[Any] = []
+            task = asyncio.create_task(_read_stream(client, "/generate", body, events))
+            await _until(events, 1)
             resp = await client.post("/abort_request", json={"rid": rid})
             assert resp.json() == {"success": True, "num_aborted": 1}
-            outs = (await task).json()
-            reasons = [o["meta_info"]["finish_reason"] for o in outs]
+            await asyncio.wait_for(task, 10)
+            assert events[-1] == "[DONE]"
+            last = {e["index"]: e for e in events[:-1]}
+            reasons = [last[i]["meta_info"]["finish_reason"] for i in range(3)]
             assert [r["type"] for r in reasons] == ["length", "abort", "length"], reasons
             assert reasons[1]["code"] == "request_aborted"
-            assert outs[0]["meta_info"]["completion_tokens"] == SHORT["max_new_tokens"]
+            assert last[0]["meta_info"]["completion_tokens"] == SHORT["max_new_tokens"]
 
     _run(go)
 

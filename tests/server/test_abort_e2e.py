@@ -26,7 +26,8 @@ from tests.server.live_server import (
     metric,
 )
 
-WAITING_TIMEOUT, RUNNING_TIMEOUT, HEALTH_TIMEOUT = 0.75, 1.5, 1.5
+# generous enough that a loaded CI machine never expires a request a test means to abort
+WAITING_TIMEOUT, RUNNING_TIMEOUT, HEALTH_TIMEOUT = 2.0, 3.0, 1.5
 LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}  # outlives RUNNING_TIMEOUT
 SHORT = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
 # long enough that, with one running slot, the aborted part is still queued when the abort lands

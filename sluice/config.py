@@ -37,8 +37,13 @@ class ServerArgs:
         None, "cross-encoder (BertForSequenceClassification directory) served for /v1/rerank"
     )
     context_length: int = _opt(0, "maximum tokens per request, prompt plus output (0: model's)")
-    dtype: str = _opt("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
-    device: str = _opt("auto", "auto | cpu | cuda")
+    dtype: str = _opt(
+        "auto", "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )  # fmt: skip
+    device: str = _opt(
+        "auto", "where the model runs (auto: cuda when available)", choices=["auto", "cpu", "cuda"]
+    )
     num_threads: int = _opt(0, "compute threads of the scheduler (0: the cores available)")
     random_seed: int = _opt(0, "seed for requests that do not give one")
 
@@ -51,7 +56,9 @@ class ServerArgs:
     # scheduling
     max_prefill_tokens: int = _opt(4096, "tokens in one prefill batch")
     chunked_prefill_size: int = _opt(1024, "longest prefill chunk of one request (0: no chunking)")
-    schedule_policy: str = _opt("fcfs", "fcfs | lpm (longest prefix match first)")
+    schedule_policy: str = _opt(
+        "fcfs", "fcfs: arrival order; lpm: longest cached prefix first", choices=["fcfs", "lpm"]
+    )
     check_invariants: bool = _opt(False, "check the KV pool invariant whenever the scheduler idles")
     waiting_timeout: float = _opt(0.0, "seconds a request may wait before it is scheduled (0: off)")
     running_timeout: float = _opt(0.0, "seconds a request may take in all (0: off)")
@@ -80,15 +87,19 @@ def build_parser(prog: str = "sluice serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Serve a language model behind an OpenAI-compatible HTTP API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Example: sluice serve --model-path ./my-model --port 8000 --max-total-tokens 65536",
     )
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
+        text = f.metadata["help"]
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, action="store_true", help=text)
+            continue
+        if f.default is not None and "default" not in text:
+            text = f"{text} (default: {f.default})"
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        choices = f.metadata.get("choices")
+        parser.add_argument(flag, type=kind, default=f.default, help=text, choices=choices)
     return parser
 
 

@@ -33,17 +33,26 @@ def make_prompts(tokenizer, num: int, target_len: int, seed: int = 0) -> list[li
     return prompts
 
 
-def bench_sluice(prompts: list[list[int]], output_len: int, threads: int) -> tuple[float, float]:
+def bench_sluice(
+    prompts: list[list[int]], output_len: int, threads: int
+) -> tuple[float, float, float]:
     from sluice import Engine
 
     engine = Engine(num_threads=threads, max_total_tokens=64 * 1024)
     params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
-    engine.generate(input_ids=prompts[:4], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+    engine.generate(
+        input_ids=prompts[:4], sampling_params={**params, "max_new_tokens": 4}
+    )  # warm-up
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - start
     assert all(o["meta_info"]["completion_tokens"] == output_len for o in outs)
     batch_tps = len(prompts) * output_len / elapsed
+    # the prefill part of that: the same prompts with one output token, cache flushed first
+    engine.scheduler.flush_cache()
+    start = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})
+    prefill_s = time.perf_counter() - start
     # single stream: decode speed of one request (prefill excluded by a 1-token run)
     one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
     t0 = time.perf_counter()
@@ -53,7 +62,7 @@ def bench_sluice(prompts: list[list[int]], output_len: int, threads: int) -> tup
     engine.generate(input_ids=prompts[1], sampling_params=params)
     single_tps = (output_len - 1) / (time.perf_counter() - t0 - t_prefill)
     engine.shutdown()
-    return batch_tps, single_tps
+    return batch_tps, single_tps, prefill_s
 
 
 def bench_transformers(hf_dir: str, prompts: list[list[int]], output_len: int) -> float:
@@ -68,7 +77,9 @@ def bench_transformers(hf_dir: str, prompts: list[list[int]], output_len: int) -
         max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad
     )
     with torch.no_grad():
-        model.generate(ids[:4], attention_mask=mask[:4], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        model.generate(
+            ids[:4], attention_mask=mask[:4], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4}
+        )
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, **kwargs)
         elapsed = time.perf_counter() - start
@@ -77,7 +88,9 @@ def bench_transformers(hf_dir: str, prompts: list[list[int]], output_len: int) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--output-len", type=int, default=128)
@@ -94,8 +107,12 @@ def main() -> None:
     prompts = make_prompts(get_tokenizer(cfg.hf_dir), args.num_prompts, args.prompt_len)
     print(f"workload: {len(prompts)} prompts x ~{args.prompt_len} tokens, {args.output_len} greedy "
           f"output tokens each, EOS ignored; {threads} threads; model {cfg.model_name} float32")  # fmt: skip
-    sl_tps, single_tps = bench_sluice(prompts, args.output_len, threads)
+    sl_tps, single_tps, prefill_s = bench_sluice(prompts, args.output_len, threads)
+    num_prompt = sum(len(p) for p in prompts)
     print(f"sluice.Engine:            {sl_tps:8.1f} output tok/s")
+    print(
+        f"  of which prefill:       {prefill_s:8.1f} s ({num_prompt / prefill_s:.0f} prompt tok/s)"
+    )
     print(f"sluice single request:    {single_tps:8.1f} tok/s decode")
     if args.skip_transformers:
         return

@@ -492,7 +492,10 @@ def main() -> None:
             "llama-server", cmd, "/health", port, workloads, prompts, warm, args.concurrency
         )
     if not args.skip_engine:
-        results["sluice-Engine"] = run_engine(workloads, prompts, warm, engine_kwargs(sluice_extra))
+        # the Engine gets every request at once; capping its running batch at the client
+        # concurrency makes it the same workload as C clients that each send the next request
+        kwargs = {"max_running_requests": args.concurrency, **engine_kwargs(sluice_extra)}
+        results["sluice-Engine"] = run_engine(workloads, prompts, warm, kwargs)
 
     for wl in workloads:
         rows = {name: per[wl.name] for name, per in results.items() if wl.name in per}

@@ -94,8 +94,8 @@ class ServingProcesses:
             raise
         self.tm = TokenizerManager(self.args, cfg, tokenizer, self.addrs, info)
         self.tm.start()
-        for spec, info in zip(self._encoders, self._encoder_infos, strict=True):
-            self.embedders.append(start_manager(spec, info))
+        for spec, enc_info in zip(self._encoders, self._encoder_infos, strict=True):
+            self.embedders.append(start_manager(spec, enc_info))
             self.embedders[-1].start()
         self._watchdog = asyncio.create_task(self._watch())
         logger.info(

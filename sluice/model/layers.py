@@ -68,37 +68,40 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
 
 
-class LogitsProjector:
-    """The LM head, tuned for CPU: the vocab projection is the largest matmul of a decode step.
+class PackedLinear(nn.Module):
+    """A linear layer whose weight oneDNN reordered once, for float32 on CPU.
 
-    MKL picks a poor blocking for N = vocab (~50k) at small M: splitting N into 2k-column slabs
-    is ~1.5x faster at M = 32, and a prepacked weight is ~2x faster for a single row (one
-    decoding stream). Same arithmetic per logit, so results do not change. Elsewhere (CUDA, no
-    MKL) it is a plain linear.
+    torch's default CPU linear (MKL sgemm) re-blocks the weight on every call; with the weight
+    prepacked, oneDNN runs the small-M matmuls of decoding 1.2-2.4x faster here, and the vocab
+    projection 2.5x faster at M = 32. The arithmetic is the same up to summation order.
     """
 
-    CHUNK = 2048
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # opaque layout
+        self.bias = None if bias is None else bias.detach()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight  # [vocab, hidden]
-        self.on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
-        self.packed_m1 = None
-        if self.on_cpu and torch.backends.mkl.is_available():
-            try:
-                self.packed_m1 = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
-            except (RuntimeError, AttributeError):
-                self.packed_m1 = None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, in_features] -> [N, out_features]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [N, hidden] -> [N, vocab]
-        if not self.on_cpu:
-            return F.linear(x, self.weight)
-        if x.shape[0] == 1 and self.packed_m1 is not None:
-            return torch.ops.mkl._mkl_linear(x, self.packed_m1, self.weight, None, 1)
-        w = self.weight
-        return torch.cat(
-            [F.linear(x, w[i : i + self.CHUNK]) for i in range(0, w.shape[0], self.CHUNK)], 1
-        )
+
+def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear of a loaded model by a PackedLinear; returns how many."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child.weight, child.bias))
+    return len(targets)
 
 
 class PagedAttention(nn.Module):

@@ -13,6 +13,7 @@ import torch
 
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.kv_cache import KVCache
+from sluice.model.layers import can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
 from sluice.model.model_config import ModelConfig
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
@@ -74,6 +75,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     _init_buffers(model, cfg, device)
     model.load_weights(iter_hf_weights(cfg.hf_dir))
     model.eval()
+    if can_pack_linears(device, dtype):
+        pack_linears(model)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",

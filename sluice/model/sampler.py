@@ -239,8 +239,11 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
     return out
 
 
-def sample(logits: torch.Tensor, info: SamplingBatchInfo, max_top_k: int = 0) -> SampleOutput:
-    """Pick the next token of every row of `logits` [B, V] (float32)."""
+def sample(
+    logits: torch.Tensor, info: SamplingBatchInfo, max_top_k: int = 0, need_logprobs: bool = True
+) -> SampleOutput:
+    """Pick the next token of every row of `logits` [B, V] (float32). Without `need_logprobs`
+    the returned logprobs are zeros (no full-vocab log-softmax is computed)."""
     processed = apply_logit_processors(logits, info)
     if info.is_all_greedy:
         next_ids = processed.argmax(dim=-1)
@@ -249,6 +252,8 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, max_top_k: int = 0) ->
     else:
         next_ids = processed.argmax(dim=-1)
         next_ids[info.sample_rows] = _sample_rows(processed[info.sample_rows], info)
+    if not need_logprobs:
+        return SampleOutput(next_ids, torch.zeros(len(next_ids)), None)
     logprobs, top = token_logprobs(logits, next_ids, max_top_k)
     return SampleOutput(next_ids, logprobs, top)
 

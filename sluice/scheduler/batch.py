@@ -121,9 +121,9 @@ def _sample_and_append(sched: Scheduler, reqs: list[Req], logits: torch.Tensor) 
         logits.shape[-1], logits.device,
     )  # fmt: skip
     max_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-    out = sample(logits, info, max_top)
-    tokens = out.next_token_ids.tolist()
     want_lp = any(r.return_logprob for r in reqs)
+    out = sample(logits, info, max_top, need_logprobs=want_lp)
+    tokens = out.next_token_ids.tolist()
     lps = out.logprobs.tolist() if want_lp else None
     tops = _top_list(out.top_logprobs, len(reqs)) if want_lp and max_top else None
     for i, req in enumerate(reqs):

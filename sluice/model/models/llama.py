@@ -15,7 +15,7 @@ from torch import nn
 
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.kv_cache import KVCache
-from sluice.model.layers import LogitsProjector, PagedAttention, RMSNorm, RotaryEmbedding
+from sluice.model.layers import PagedAttention, RMSNorm, RotaryEmbedding
 from sluice.model.model_config import ModelConfig
 
 # checkpoint name fragment -> (fused name fragment, shard index)
@@ -103,12 +103,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_projector = LogitsProjector(self.lm_head.weight)
 
     def forward(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Returns logits [N, vocab] for the rows in `fb.logits_index` only."""
         hidden = self.model(fb, kv)
-        return self.logits_projector(hidden[fb.logits_index])
+        return self.lm_head(hidden[fb.logits_index])
 
     def hidden_states(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] (for embeddings by last-token pooling)."""
@@ -134,7 +133,6 @@ class LlamaForCausalLM(nn.Module):
                 _copy(param.narrow(0, start, sizes[shard]), tensor, name)
             loaded.add(f"{target}#{shard}")
         self._check_all_loaded(params, loaded)
-        self.logits_projector = LogitsProjector(self.lm_head.weight)  # prepacks the loaded weight
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []

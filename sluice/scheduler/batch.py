@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from sluice.scheduler.scheduler import Scheduler
 
 
+NON_FINITE = FinishReason(
+    type="abort", message="the model produced non-finite logits for this request",
+    status_code=500, code="internal_error",
+)  # fmt: skip
+
+
 def run_prefill(sched: Scheduler, reqs: list[Req]) -> None:
     """Compute `req.extend_len` tokens of each request from `kv_committed_len` on; sample the
     first output token of requests whose whole prompt is now in the pool."""
@@ -105,12 +111,21 @@ def _input_logprobs(logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> 
 
 
 def _sample_and_append(sched: Scheduler, reqs: list[Req], logits: torch.Tensor) -> None:
-    zero_max = [r for r in reqs if r.max_new_tokens == 0]
-    for req in zero_max:  # prompt-only requests (echo with max_tokens 0): nothing to sample
-        sched.touched.append(req)
-        sched.finish(req, FinishReason(type="length"))
-    if zero_max:
-        keep = [i for i, r in enumerate(reqs) if r.max_new_tokens > 0]
+    """Sample one token per request. Prompt-only requests (max_new_tokens 0, e.g. echo for
+    prompt logprobs) finish without sampling; a request whose logits are not finite (NaN/inf)
+    ends alone with a 500 while the rest of the batch goes on."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    keep = []
+    for i, req in enumerate(reqs):
+        if req.max_new_tokens == 0:
+            sched.touched.append(req)
+            sched.finish(req, FinishReason(type="length"))
+        elif not finite[i]:
+            sched.touched.append(req)
+            sched.finish(req, NON_FINITE)
+        else:
+            keep.append(i)
+    if len(keep) < len(reqs):
         reqs, logits = [reqs[i] for i in keep], logits[keep]
         if not reqs:
             return

@@ -37,3 +37,29 @@ def test_forward_exception_aborts_the_batch_and_the_engine_keeps_serving(
 def test_context_length_beyond_the_model_is_refused_at_start(tiny_llama_dir: str) -> None:
     with pytest.raises(ValueError, match="exceeds the model's maximum of 512"):
         Engine(tiny_llama_dir, context_length=1024, max_total_tokens=2048, num_threads=1)
+
+
+def test_non_finite_logits_end_only_that_request(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = tiny_engine.scheduler.runner
+    real_forward = runner.forward
+    poisoned = {"first": True}
+
+    def nan_for_one_row(fb):
+        logits = real_forward(fb)
+        if poisoned["first"] and logits.shape[0] == 2:
+            poisoned["first"] = False
+            logits = logits.clone()  # an inference tensor: modify a copy
+            logits[1] = float("nan")  # the second request of the first two-row batch
+        return logits
+
+    monkeypatch.setattr(runner, "forward", nan_for_one_row)
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    ok, bad = tiny_engine.generate(input_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params=params)
+    assert ok["meta_info"]["completion_tokens"] == 6
+    assert ok["meta_info"]["finish_reason"]["type"] == "length"
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort"
+    assert bad["meta_info"]["finish_reason"]["status_code"] == 500
+    assert "non-finite" in bad["meta_info"]["finish_reason"]["message"]
+    tiny_engine.scheduler.check_idle_invariant()

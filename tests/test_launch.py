@@ -93,11 +93,19 @@ def test_busy_port_fails_before_loading_the_model() -> None:
 
 
 def test_child_start_failure_reports_its_traceback(tiny_llama_dir: str) -> None:
-    cmd = [*SERVE, "--model-path", tiny_llama_dir, "--dtype", "bogus", "--port", str(_free_port())]
+    # a context longer than the model's 512 positions is refused inside the scheduler process
+    cmd = [*SERVE, "--model-path", tiny_llama_dir, "--context-length", "100000",
+           "--no-embedding-model", "--port", str(_free_port())]  # fmt: skip
     res = _run(cmd)
     assert res.returncode == 1
     assert "scheduler process failed to start" in res.stderr
-    assert "Traceback" in res.stderr and "unknown dtype 'bogus'" in res.stderr
+    assert "Traceback" in res.stderr and "exceeds the model's maximum of 512" in res.stderr
+
+
+def test_invalid_option_values_are_refused_before_anything_starts() -> None:
+    res = _run([*SERVE, "--dtype", "bogus"], timeout=30)
+    assert res.returncode == 2
+    assert "invalid choice: 'bogus'" in res.stderr and "float32" in res.stderr
 
 
 # ---- watchdog, in process -----------------------------------------------------------------

@@ -74,16 +74,24 @@ class PackedLinear(nn.Module):
     torch's default CPU linear (MKL sgemm) re-blocks the weight on every call; with the weight
     prepacked, oneDNN runs the small-M matmuls of decoding 1.2-2.4x faster here, and the vocab
     projection 2.5x faster at M = 32. The arithmetic is the same up to summation order.
+
+    oneDNN keeps a compiled kernel (and its buffers, ~1.5 MB) per distinct row count, so the
+    packed path serves only batches of up to PACKED_MAX_ROWS rows (decode), which bounds that
+    cache; larger batches (prefill, already near peak) use the plain weight, kept beside it.
     """
+
+    PACKED_MAX_ROWS = 64
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # opaque layout
+        self.weight = weight.detach()  # [out_features, in_features]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)  # opaque layout
         self.bias = None if bias is None else bias.detach()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, in_features] -> [N, out_features]
+        if x.shape[0] > self.PACKED_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -92,15 +100,28 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of a loaded model by a PackedLinear; returns how many."""
+    """Replace every nn.Linear of a loaded model by a PackedLinear; returns how many.
+
+    Then build oneDNN's kernel for every batch size the packed path serves, once per distinct
+    weight shape (layers of one shape share kernels): the memory this takes is paid at start-up
+    instead of growing during the first minutes of serving.
+    """
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
+    warmed: set[tuple[int, int, bool]] = set()
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias))
+        packed = PackedLinear(child.weight, child.bias)
+        setattr(parent, name, packed)
+        shape = (child.in_features, child.out_features, child.bias is not None)
+        if shape not in warmed:
+            warmed.add(shape)
+            with torch.inference_mode():
+                for rows in range(1, PackedLinear.PACKED_MAX_ROWS + 1):
+                    packed(torch.zeros(rows, child.in_features, dtype=child.weight.dtype))
     return len(targets)
 
 

@@ -75,9 +75,9 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     _init_buffers(model, cfg, device)
     model.load_weights(iter_hf_weights(cfg.hf_dir))
     model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
     if can_pack_linears(device, dtype):
         pack_linears(model)
-    num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",
         cfg.model_name, cfg.architecture, num_params / 1e6, str(dtype).removeprefix("torch."),

@@ -190,7 +190,24 @@ def test_disconnect_one_of_n_and_one_prompt_of_a_batch() -> None:
 
 def test_abort_one_sample_and_one_prompt_by_rid() -> None:
     """With one running slot, part 0 runs while parts 1 and 2 queue: aborting part 1 as soon as
-    part 0 streams its first token hits it in the queue, whatever the machine's speed."""
+    part 0 streams its first token hits it in the queue. On a badly loaded machine part 1 can
+    still expire (waiting timeout) before the abort lands: then the attempt is repeated."""
+
+    async def attempt(client: httpx.AsyncClient, body: dict[str, Any], rid: str) -> bool:
+        events: list[Any] = []
+        task = asyncio.create_task(_read_stream(client, "/generate", body, events))
+        await _until(events, 1)
+        resp = await client.post("/abort_request", json={"rid": rid})
+        await asyncio.wait_for(task, 20)
+        if resp.json()["num_aborted"] == 0:
+            return False
+        assert events[-1] == "[DONE]"
+        last = {e["index"]: e for e in events[:-1]}
+        reasons = [last[i]["meta_info"]["finish_reason"] for i in range(3)]
+        assert [r["type"] for r in reasons] == ["length", "abort", "length"], reasons
+        assert reasons[1]["code"] == "request_aborted"
+        assert last[0]["meta_info"]["completion_tokens"] == SHORT["max_new_tokens"]
+        return True
 
     async def go(client: httpx.AsyncClient) -> None:
         for body, rid in (
@@ -198,18 +215,11 @@ def test_abort_one_sample_and_one_prompt_by_rid() -> None:
             ({"input_ids": [_ids(4)] * 3, "sampling_params": SHORT, "rid": ["p0", "p1", "p2"],
               "stream": True}, "p1"),
         ):  # fmt: skip
-            events: list[Any] = []
-            task = asyncio.create_task(_read_stream(client, "/generate", body, events))
-            await _until(events, 1)
-            resp = await client.post("/abort_request", json={"rid": rid})
-            assert resp.json() == {"success": True, "num_aborted": 1}
-            await asyncio.wait_for(task, 10)
-            assert events[-1] == "[DONE]"
-            last = {e["index"]: e for e in events[:-1]}
-            reasons = [last[i]["meta_info"]["finish_reason"] for i in range(3)]
-            assert [r["type"] for r in reasons] == ["length", "abort", "length"], reasons
-            assert reasons[1]["code"] == "request_aborted"
-            assert last[0]["meta_info"]["completion_tokens"] == SHORT["max_new_tokens"]
+            for _ in range(3):
+                if await attempt(client, body, rid):
+                    break
+            else:
+                raise AssertionError(f"{rid} was never still queued when its abort arrived")
 
     _run(go)
 

@@ -66,7 +66,11 @@ class Engine:
         or one per prompt.
         """
         prompts, single = self._normalize(prompt, input_ids)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(prompts)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         rids = []

@@ -9,7 +9,6 @@ unchanged) or, for an extra model of a server, the EmbeddingManager's own socket
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Any
 
 import zmq
@@ -25,7 +24,6 @@ from sluice.messages import (
     FlushCacheReq,
     GetInternalStateReq,
     InternalStateReply,
-    ReadyMsg,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -39,14 +37,7 @@ PROCESS_TITLE = "sluice::encoder"
 
 def run_encoder_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any) -> None:
     """Entry point of the spawned process: build, report ready (or the error), then loop."""
-    ipc.setup_child_process(PROCESS_TITLE, args.log_level)
-    try:
-        loop = EncoderLoop(args, addrs)
-    except BaseException:
-        ipc.report_ready(ready_conn, ReadyMsg("scheduler", error=traceback.format_exc()))
-        raise SystemExit(1) from None
-    ipc.report_ready(ready_conn, ReadyMsg("scheduler", info=loop.info))
-    loop.run_forever()
+    ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, lambda: EncoderLoop(args, addrs))
 
 
 def encoder_context_len(args: ServerArgs, max_seq_len: int, max_positions: int) -> int:
@@ -79,7 +70,7 @@ class EncoderLoop:
         self.scheduler = EncoderScheduler(
             runner, cfg.vocab_size, context_len, args.max_prefill_tokens, max_batch_reqs
         )
-        self.info: dict[str, int | float | str] = {
+        self._info: dict[str, int | float | str] = {
             "model_name": cfg.model_name, "hf_dir": cfg.hf_dir, "context_len": context_len,
             "max_total_tokens": 0, "max_running_requests": max_batch_reqs,
             "num_threads": num_threads, "device": str(device),
@@ -90,6 +81,9 @@ class EncoderLoop:
         self.ctx = zmq.Context()
         self.recv_sock = ipc.pull_socket(self.ctx, addrs.scheduler_in)
         self.send_sock = ipc.push_socket(self.ctx, addrs.detokenizer_in)
+
+    def info(self) -> dict[str, int | float | str]:
+        return self._info
 
     def run_forever(self) -> None:
         while True:

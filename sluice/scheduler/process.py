@@ -12,10 +12,7 @@ process, and the launcher's watchdog notices. A SchedulerHeartbeat goes out at l
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 import time
-import traceback
 from typing import Any
 
 import msgspec
@@ -33,7 +30,6 @@ from sluice.messages import (
     GetInternalStateReq,
     InternalStateReply,
     OpenSessionReq,
-    ReadyMsg,
     SamplingParams,
     SchedulerHeartbeat,
     TokenizedGenerateReqInput,
@@ -55,15 +51,7 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
         from sluice.scheduler.encoder_process import run_encoder_process
 
         return run_encoder_process(args, addrs, ready_conn)
-    ipc.setup_child_process(PROCESS_TITLE, args.log_level)
-    try:
-        loop = SchedulerLoop(args, addrs)
-    except BaseException:
-        ipc.report_ready(ready_conn, ReadyMsg("scheduler", error=traceback.format_exc()))
-        raise SystemExit(1) from None
-    ipc.report_ready(ready_conn, ReadyMsg("scheduler", info=loop.info()))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's stop is a clean exit
-    loop.run_forever()
+    ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, lambda: SchedulerLoop(args, addrs))
 
 
 class SchedulerLoop:

@@ -17,9 +17,12 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +151,21 @@ def report_ready(conn: Any, msg: messages.ReadyMsg) -> None:
     """Send the start-up handshake on a multiprocessing Connection and close it."""
     conn.send_bytes(_ENCODER.encode(msg))
     conn.close()
+
+
+def run_child(title: str, log_level: str, ready_conn: Any, build: Callable[[], Any]) -> None:
+    """Entry of a model-serving child: name the process, build its loop, report ready (or the
+    start-up traceback, then exit 1), and run the loop until the launcher stops it (SIGTERM is
+    a clean exit). `build()` returns an object with `info() -> dict` and `run_forever()`."""
+    setup_child_process(title, log_level)
+    try:
+        loop = build()
+    except BaseException:
+        report_ready(ready_conn, messages.ReadyMsg("scheduler", error=traceback.format_exc()))
+        raise SystemExit(1) from None
+    report_ready(ready_conn, messages.ReadyMsg("scheduler", info=loop.info()))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    loop.run_forever()
 
 
 def read_ready(data: bytes) -> messages.ReadyMsg:

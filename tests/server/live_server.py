@@ -32,12 +32,20 @@ def _free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, model_path: str, args: list[str], log: Path) -> None:
+    """`model_path` None serves the default model; `num_threads` None leaves the server's own
+    choice (the cores available)."""
+
+    def __init__(
+        self, model_path: str | None, args: list[str], log: Path, num_threads: int | None = 1
+    ) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "sluice", "serve", "--model-path", model_path,
-               "--port", str(self.port), "--num-threads", "1", *args]  # fmt: skip
+        cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(self.port), *args]
+        if model_path is not None:
+            cmd += ["--model-path", model_path]
+        if num_threads is not None:
+            cmd += ["--num-threads", str(num_threads)]
         with open(log, "w") as f:
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -18,6 +13,7 @@ import pytest
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
 from tests.model.test_bert import SENTENCES, make_tiny_cross_encoder
+from tests.server.live_server import LiveServer
 
 openai = pytest.importorskip("openai")
 if default_embedding_model_path() is None:
@@ -27,41 +23,19 @@ EMBED = DEFAULT_EMBEDDING_NAME
 RERANK = "tiny-cross-encoder"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    rerank_dir = tmp_path_factory.mktemp("rerank") / RERANK
+    tmp = tmp_path_factory.mktemp("rerank")
+    rerank_dir = tmp / RERANK
     make_tiny_cross_encoder(rerank_dir, default_embedding_model_path() or "")
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--model-path",
-           tiny_llama_dir, "--rerank-model-path", str(rerank_dir), "--max-total-tokens", "4096",
-           "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
+    args = ["--rerank-model-path", str(rerank_dir), "--max-total-tokens", "4096",
+            "--log-level", "warning"]  # fmt: skip
+    srv = LiveServer(tiny_llama_dir, args, tmp / "server.log", num_threads=None)
     try:
-        deadline = time.monotonic() + 180
-        while not _healthy(base):
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.3)
-        yield base
+        srv.wait_ready()
+        yield srv.base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+
+from tests.server.live_server import LiveServer
 
 pytest.importorskip("sluice.launch", reason="sluice.launch is not there yet")
 openai = pytest.importorskip("openai")
@@ -25,43 +23,17 @@ MAX_TOTAL_TOKENS = 8192
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port),
-           "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning",
-           "--no-embedding-model"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    args = ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning",
+            "--no-embedding-model"]  # fmt: skip
+    log = tmp_path_factory.mktemp("e2e_openai") / "server.log"
+    srv = LiveServer(None, args, log, num_threads=None)
     try:
-        _wait_healthy(base, proc)
-        yield base
+        srv.wait_ready()
+        yield srv.base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{base}/health_generate", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server did not become healthy")
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

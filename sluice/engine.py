@@ -2,7 +2,9 @@
 
 It runs the same Scheduler and DetokenizerManager code as the server, without processes or
 sockets: `generate` tokenizes, hands TokenizedGenerateReqInput messages to the scheduler, steps it
-until its requests finish, and detokenizes the BatchTokenIDOutput it emits.
+until its requests finish, and detokenizes the BatchTokenIDOutput it emits. `encode` (last-token
+embeddings) and `score` (label-token probabilities) send TokenizedEmbeddingReqInput messages and
+read the BatchEmbeddingOutput the scheduler emits for them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,19 @@ import logging
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 
 from sluice.config import ServerArgs
 from sluice.detokenizer.manager import DetokenizerManager
-from sluice.messages import AbortReq, BatchStrOutput, SamplingParams, TokenizedGenerateReqInput
+from sluice.messages import (
+    AbortReq,
+    BatchEmbeddingOutput,
+    BatchStrOutput,
+    SamplingParams,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from sluice.model.loader import load_model_config
 from sluice.scheduler.resources import resolve_resources
 from sluice.scheduler.scheduler import Scheduler
@@ -88,6 +98,71 @@ class Engine:
         out = [results[r] for r in rids]
         return out[0] if single else out
 
+    def encode(
+        self, prompt: str | list[int] | list[str] | list[list[int]]
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed one prompt (a dict back; a list of ints is one prompt) or a list of prompts (a
+        list back): {"embedding": [floats], "meta_info": {...}}, the L2-normalized final-norm
+        hidden state of the last prompt token. An aborted prompt has an empty embedding and
+        its reason in meta_info["finish_reason"]."""
+        prompts, single = self._normalize(prompt, None)
+        results = self._run_pooled(self._add_pooled(prompts, None))
+        return results[0] if single else results
+
+    def score(
+        self,
+        query: str | list[int],
+        items: list[str] | list[list[int]],
+        label_token_ids: list[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """Per item, the probabilities of `label_token_ids` as the next token after query + item
+        (item + query when `item_first`; texts are joined before tokenizing, ids as lists).
+        apply_softmax: a softmax over just the label tokens' logits; else each label's
+        probability in the full-vocabulary distribution. ValueError if an item fails."""
+        if not label_token_ids:
+            raise ValueError("label_token_ids is empty")
+        if not items:
+            return []
+        results = self._run_pooled(
+            self._add_pooled(self._score_prompts(query, items, item_first), label_token_ids)
+        )
+        for res in results:
+            reason = res["meta_info"]["finish_reason"]
+            if reason["type"] == "abort":
+                raise ValueError(f"scoring failed: {reason.get('message')}")
+        logprobs = torch.tensor([r["embedding"] for r in results], dtype=torch.float64)
+        probs = torch.softmax(logprobs, dim=-1) if apply_softmax else logprobs.exp()
+        return probs.tolist()
+
+    def _score_prompts(
+        self, query: str | list[int], items: list[str] | list[list[int]], item_first: bool
+    ) -> list[list[int]]:
+        """query + item (item + query when item_first): texts joined, then tokenized."""
+        is_text = isinstance(query, str)
+        if not all(isinstance(it, str) == is_text for it in items):
+            raise ValueError("query and items must be all text or all token ids")
+        pairs: list[Any] = [(it, query) if item_first else (query, it) for it in items]
+        if is_text:
+            return [self.tokenizer.encode(a + b) for a, b in pairs]
+        return [list(a) + list(b) for a, b in pairs]
+
+    def _add_pooled(self, prompts: list[list[int]], label_token_ids: list[int] | None) -> list[str]:
+        rids = []
+        for ids in prompts:
+            rid = f"engine-{next(self._ids)}"
+            rids.append(rid)
+            self.scheduler.add_embedding_request(
+                TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, label_token_ids=label_token_ids)
+            )
+        return rids
+
+    def _run_pooled(self, rids: list[str]) -> list[dict[str, Any]]:
+        results: dict[str, dict[str, Any]] = {}
+        self._drive(set(rids), {}, results)
+        return [results[r] for r in rids]
+
     def abort(self, rid: str) -> None:
         self.scheduler.abort(AbortReq(rid=rid))
 
@@ -108,15 +183,42 @@ class Engine:
 
     def _run_until_done(self, rids: list[str]) -> dict[str, dict[str, Any]]:
         results = {r: {"text": "", "output_ids": [], "meta_info": {"id": r}} for r in rids}
-        pending = set(rids)
+        self._drive(set(rids), results, {})
+        return results
+
+    def _drive(
+        self,
+        pending: set[str],
+        results: dict[str, dict[str, Any]],
+        pooled: dict[str, dict[str, Any]],
+    ) -> None:
+        """Step the scheduler until every rid in `pending` finished; generation outputs merge
+        into `results` (rids not there are dropped), pooled ones into `pooled`."""
         while pending:
             out = self.scheduler.step()
-            if out is None:
-                if not self.scheduler.has_work():
-                    raise RuntimeError(f"scheduler went idle with {len(pending)} requests pending")
+            emb = self.scheduler.take_embedding_output()
+            if out is None and emb is None and not self.scheduler.has_work():
+                raise RuntimeError(f"scheduler went idle with {len(pending)} requests pending")
+            if out is not None:
+                self._merge(self.detokenizer.handle(out), results, pending)
+            if emb is not None:
+                self._merge_pooled(emb, pooled, pending)
+
+    @staticmethod
+    def _merge_pooled(
+        out: BatchEmbeddingOutput, results: dict[str, dict[str, Any]], pending: set[str]
+    ) -> None:
+        for i, rid in enumerate(out.rids):
+            if rid not in pending:
                 continue
-            self._merge(self.detokenizer.handle(out), results, pending)
-        return results
+            meta = {
+                "id": rid, "prompt_tokens": out.prompt_tokens[i],
+                "cached_tokens": out.cached_tokens[i] if out.cached_tokens else 0,
+                "finish_reason": msgspec.to_builtins(out.finished_reasons[i]),
+            }  # fmt: skip
+            vector = np.frombuffer(out.embeddings[i], dtype="<f4").tolist()
+            results[rid] = {"embedding": vector, "meta_info": meta}
+            pending.discard(rid)
 
     @staticmethod
     def _merge(out: BatchStrOutput, results: dict[str, dict[str, Any]], pending: set[str]) -> None:

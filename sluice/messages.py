@@ -213,14 +213,22 @@ class FlushCacheReply(msgspec.Struct):
 
 
 class TokenizedEmbeddingReqInput(msgspec.Struct, omit_defaults=True):
-    """One input of an embedding or scoring request, for an encoder model's scheduler.
+    """One input of an embedding or scoring request (prefill only, no generated tokens).
 
-    `token_type_ids` is set for a (query, document) pair of a cross-encoder.
+    For an encoder model: the pooled vector, or a cross-encoder's scores; `token_type_ids` is set
+    for a (query, document) pair of a cross-encoder.
+    For a decoder model, `label_token_ids` picks the mode:
+      - None: an embedding, the final-norm hidden state of the last prompt token, L2-normalized;
+      - a list: scores, the log-probabilities (log_softmax over the whole vocabulary at the last
+        prompt position, i.e. of the next token) of exactly these token ids, in this order.
+    An encoder refuses `label_token_ids` (400). Results travel as float32 in a
+    BatchEmbeddingOutput.
     """
 
     rid: str
     input_ids: list[int]
     token_type_ids: list[int] | None = None
+    label_token_ids: list[int] | None = None
     reply_to: str = ""
     created_time: float = 0.0
 
@@ -230,10 +238,13 @@ class BatchTokenizedEmbeddingReqInput(msgspec.Struct):
 
 
 class BatchEmbeddingOutput(msgspec.Struct):
-    """Encoder scheduler → (detokenizer, unchanged) → its manager. Lists are parallel.
+    """Scheduler (encoder or decoder) → (detokenizer, unchanged) → its manager. Lists are
+    parallel; it answers TokenizedEmbeddingReqInput and BatchTokenizedEmbeddingReqInput.
 
-    `embeddings[i]` is the pooled vector (or a cross-encoder's scores) of `rids[i]` as
-    little-endian float32 bytes; empty when `finished_reasons[i]` is an abort.
+    `embeddings[i]` is the pooled vector (a cross-encoder's scores, or a decoder's label-token
+    logprobs) of `rids[i]` as little-endian float32 bytes; empty when `finished_reasons[i]` is an
+    abort. `cached_tokens` (prompt tokens served from the prefix cache) is filled by the decoder
+    scheduler only; an encoder leaves it empty.
     """
 
     rids: list[str]
@@ -241,3 +252,4 @@ class BatchEmbeddingOutput(msgspec.Struct):
     prompt_tokens: list[int]
     finished_reasons: list[FinishReason]
     reply_to: list[str]
+    cached_tokens: list[int] = []

@@ -100,6 +100,15 @@ class ForwardBatch:
         return self.mode == ForwardMode.EXTEND and self.attn_mask is None
 
 
+@dataclass
+class ForwardOutput:
+    """What one forward computes for the rows in `ForwardBatch.logits_index`."""
+
+    logits: torch.Tensor  # [N, vocab]
+    # [N, hidden], final-norm hidden states of the same rows; None where not asked for
+    hidden: torch.Tensor | None
+
+
 def _positions(prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
     if all(e == 1 for e in extend_lens):
         return torch.tensor(prefix_lens, dtype=torch.int64)

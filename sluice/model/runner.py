@@ -1,7 +1,7 @@
 """ModelRunner: owns the model weights and the KV tensors; runs one ForwardBatch at a time.
 
 Runs inside the scheduler process. It knows nothing of requests: the scheduler hands it a
-ForwardBatch and gets logits back.
+ForwardBatch and gets logits back (and, when asked, the hidden states of the same rows).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from sluice.model.forward_batch import ForwardBatch
+from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.kv_cache import KVCache
 from sluice.model.layers import can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
@@ -58,6 +58,13 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the rows in `fb.logits_index`."""
         return self.model(fb, self.kv).float()
+
+    @torch.inference_mode()
+    def forward_output(self, fb: ForwardBatch) -> ForwardOutput:
+        """Logits and final-norm hidden states, both float32, of the `fb.logits_index` rows
+        (for batches with embedding requests, which pool the last token's hidden state)."""
+        out = self.model.forward_output(fb, self.kv)
+        return ForwardOutput(out.logits.float(), out.hidden.float())
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:

@@ -1,7 +1,10 @@
 """Turn a list of admitted requests into one forward pass, and its results back into tokens.
 
 Per step the Python work is one pass over the requests to gather ids, lengths and slots; all
-per-token work (attention metadata, sampling, logprobs) is done on tensors for the whole batch.
+per-token work (attention metadata, sampling, logprobs, pooling) is done on tensors for the
+whole batch. Pooled requests (prefill only) finish in the step that computes their last prompt
+token, with the vector pooled from that step's tensors; the hidden states are only asked of the
+model when an embedding request is in the batch.
 """
 
 from __future__ import annotations
@@ -9,11 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from sluice.messages import FinishReason, TopLogprobs
-from sluice.model.forward_batch import ForwardBatch, ForwardMode
+from sluice.model.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from sluice.model.sampler import SamplingBatchInfo, TopK, sample, token_logprobs
-from sluice.scheduler.req import Req
+from sluice.scheduler.req import EMBED, SCORE, Req
 
 if TYPE_CHECKING:
     from sluice.scheduler.scheduler import Scheduler
@@ -57,13 +61,14 @@ def run_prefill(sched: Scheduler, reqs: list[Req]) -> None:
         [r.extend_len for r in reqs], slots, r2t, [r.req_pool_idx for r in reqs], logits_rows,
         sched.runner.device,
     )  # fmt: skip
-    logits = _forward(sched, fb, slots)
+    out = _forward(sched, fb, slots, with_hidden=any(r.pooled == EMBED for r in sample_reqs))
     for req in reqs:
         req.kv_committed_len += req.extend_len
     if spans:
-        _input_logprobs(logits, spans)
+        _input_logprobs(out.logits, spans)
     if sample_reqs:
-        _sample_and_append(sched, sample_reqs, logits[sample_rows])
+        hidden = None if out.hidden is None else out.hidden[sample_rows]
+        _sample_and_append(sched, sample_reqs, out.logits[sample_rows], hidden)
 
 
 def run_decode(sched: Scheduler, reqs: list[Req]) -> None:
@@ -76,16 +81,20 @@ def run_decode(sched: Scheduler, reqs: list[Req]) -> None:
         ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], cols.tolist(), [1] * len(reqs),
         slots, r2t, rows.tolist(), list(range(len(reqs))), sched.runner.device,
     )  # fmt: skip
-    logits = _forward(sched, fb, slots)
+    logits = _forward(sched, fb, slots).logits
     for req in reqs:
         req.kv_committed_len += 1
     _sample_and_append(sched, reqs, logits)
 
 
-def _forward(sched: Scheduler, fb: ForwardBatch, slots: torch.Tensor) -> torch.Tensor:
+def _forward(
+    sched: Scheduler, fb: ForwardBatch, slots: torch.Tensor, with_hidden: bool = False
+) -> ForwardOutput:
     """Run the model; on failure give this step's slots back (nobody has committed them)."""
     try:
-        return sched.runner.forward(fb)
+        if with_hidden:
+            return sched.runner.forward_output(fb)
+        return ForwardOutput(sched.runner.forward(fb), None)
     except Exception:
         sched.allocator.free(slots)
         raise
@@ -110,13 +119,21 @@ def _input_logprobs(logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> 
         req.input_top_logprobs.extend(_top_list(top, num) or [None] * num)
 
 
-def _sample_and_append(sched: Scheduler, reqs: list[Req], logits: torch.Tensor) -> None:
+def _sample_and_append(
+    sched: Scheduler, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor | None = None
+) -> None:
     """Sample one token per request. Prompt-only requests (max_new_tokens 0, e.g. echo for
-    prompt logprobs) finish without sampling; a request whose logits are not finite (NaN/inf)
-    ends alone with a 500 while the rest of the batch goes on."""
+    prompt logprobs) finish without sampling, pooled ones with their vector; a request whose
+    logits are not finite (NaN/inf) ends alone with a 500 while the rest of the batch goes on.
+    `hidden` [B, hidden] is given when an embedding request is among `reqs`."""
+    pooled = [i for i, r in enumerate(reqs) if r.pooled is not None]
+    if pooled:
+        _finish_pooled(sched, [reqs[i] for i in pooled], logits[pooled], hidden, pooled)
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     keep = []
     for i, req in enumerate(reqs):
+        if req.pooled is not None:
+            continue
         if req.max_new_tokens == 0:
             sched.touched.append(req)
             sched.finish(req, FinishReason(type="length"))
@@ -151,6 +168,49 @@ def _sample_and_append(sched: Scheduler, reqs: list[Req], logits: torch.Tensor) 
             else:
                 req.output_top_logprobs.append(TopLogprobs([], []))
         sched.on_token(req, tokens[i])
+
+
+def _finish_pooled(
+    sched: Scheduler,
+    reqs: list[Req],
+    logits: torch.Tensor,
+    hidden: torch.Tensor | None,
+    rows: list[int],
+) -> None:
+    """Finish pooled requests: one normalize over the embedding rows, one log_softmax over the
+    score rows. logits [P, vocab] are theirs; `rows` index their rows in `hidden` [B, hidden]."""
+    embed = [i for i, r in enumerate(reqs) if r.pooled == EMBED]
+    score = [i for i, r in enumerate(reqs) if r.pooled == SCORE]
+    if embed:
+        assert hidden is not None, "an embedding request needs the hidden states"
+        vecs = F.normalize(hidden[[rows[i] for i in embed]].float(), dim=-1)  # [E, hidden]
+        _store_pooled(sched, [reqs[i] for i in embed], vecs, [vecs.shape[1]] * len(embed))
+    if score:
+        scored = [reqs[i] for i in score]
+        labels = [r.label_token_ids or [] for r in scored]
+        width = max(len(x) for x in labels)
+        index = torch.tensor([x + [0] * (width - len(x)) for x in labels], dtype=torch.int64)
+        lps = torch.log_softmax(logits[score].float(), dim=-1)  # [S, vocab]
+        picked = lps.gather(1, index.to(lps.device))  # [S, width], padded with token 0
+        _store_pooled(sched, scored, picked, [len(x) for x in labels])
+
+
+def _store_pooled(sched: Scheduler, reqs: list[Req], vecs: torch.Tensor, lens: list[int]) -> None:
+    """Row i of vecs [P, width] holds request i's vector in its first lens[i] columns; a
+    non-finite vector ends its request with a 500."""
+    pad = (
+        torch.arange(vecs.shape[1], device=vecs.device)[None, :]
+        >= torch.tensor(lens, device=vecs.device)[:, None]
+    )
+    finite = (torch.isfinite(vecs) | pad).all(dim=-1).tolist()
+    arr = vecs.cpu().numpy().astype("<f4")
+    for req, row, n, ok in zip(reqs, arr, lens, finite, strict=True):
+        sched.touched.append(req)
+        if not ok:
+            sched.finish(req, NON_FINITE)
+            continue
+        req.pooled_result = row[:n].tobytes()
+        sched.finish(req, FinishReason(type="length"))
 
 
 def _top_list(top: TopK | None, n: int) -> list[TopLogprobs] | None:

@@ -64,6 +64,8 @@ class EncoderScheduler:
 
     def _validate(self, msg: TokenizedEmbeddingReqInput) -> str | None:
         ids = msg.input_ids
+        if msg.label_token_ids is not None:
+            return "this model is an encoder: label-token scoring needs a decoder model"
         if not ids:
             return "the input is empty"
         if min(ids) < 0 or max(ids) >= self.vocab_size:

@@ -1,13 +1,14 @@
-"""Collect what the touched requests have to report into one BatchTokenIDOutput.
+"""Collect what the touched requests have to report into one BatchTokenIDOutput, and what the
+finished pooled requests have into one BatchEmbeddingOutput.
 
 A request reports when it finished, or when it streams and has at least `stream_interval` unsent
 tokens. Its unsent tokens and logprobs are moved into the message, so nothing is sent twice and
-nothing is dropped.
+nothing is dropped. A pooled request reports once, when it finished.
 """
 
 from __future__ import annotations
 
-from sluice.messages import BatchTokenIDOutput
+from sluice.messages import BatchEmbeddingOutput, BatchTokenIDOutput
 from sluice.scheduler.req import Req
 
 
@@ -50,3 +51,24 @@ def _append(out: BatchTokenIDOutput, req: Req) -> None:
     out.input_top_logprobs.append(req.input_top_logprobs)
     req.input_token_logprobs, req.input_top_logprobs = [], []
     out.reply_to.append(req.reply_to)
+
+
+def build_embedding_output(done: list[Req]) -> BatchEmbeddingOutput | None:
+    """One entry per finished pooled request (each once, even if listed twice)."""
+    out = BatchEmbeddingOutput(
+        rids=[], embeddings=[], prompt_tokens=[], finished_reasons=[], reply_to=[],
+        cached_tokens=[],
+    )  # fmt: skip
+    seen: set[int] = set()
+    for req in done:
+        if id(req) in seen:
+            continue
+        seen.add(id(req))
+        assert req.finished_reason is not None, "a pooled request reports only when finished"
+        out.rids.append(req.rid)
+        out.embeddings.append(req.pooled_result)
+        out.prompt_tokens.append(len(req.origin_input_ids))
+        out.finished_reasons.append(req.finished_reason)
+        out.reply_to.append(req.reply_to)
+        out.cached_tokens.append(req.cached_tokens)
+    return out if out.rids else None

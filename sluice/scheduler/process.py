@@ -2,7 +2,9 @@
 
 Loop guarantee: while the scheduler has work, pending messages are taken without blocking
 between steps, so a new request or an abort waits at most one forward step; while idle, the loop
-blocks on the socket (IDLE_POLL_MS at a time). Every step's output goes to the detokenizer.
+blocks on the socket (IDLE_POLL_MS at a time). Every step's outputs go to the detokenizer: the
+BatchTokenIDOutput of generation requests, then the BatchEmbeddingOutput of the pooled
+(embedding / scoring) requests that finished, which the detokenizer passes on unchanged.
 A message that cannot be taken in ends only the request it carries (an abort finish for its
 rid, 400 if it could not be decoded, 500 if intake failed); an error inside `step()` ends the
 process, and the launcher's watchdog notices. A SchedulerHeartbeat goes out at least every
@@ -21,7 +23,9 @@ import zmq
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchTokenIDOutput,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     CloseSessionReq,
     FinishReason,
@@ -32,6 +36,7 @@ from sluice.messages import (
     OpenSessionReq,
     SamplingParams,
     SchedulerHeartbeat,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from sluice.utils import ipc
@@ -94,9 +99,9 @@ class SchedulerLoop:
         for frames in ipc.recv_all(self.recv_sock, timeout):
             self._handle(frames)
         if self.scheduler.has_work():
-            out = self.scheduler.step()
-            if out is not None:
-                ipc.send(self.send_sock, out)
+            for out in (self.scheduler.step(), self.scheduler.take_embedding_output()):
+                if out is not None:
+                    ipc.send(self.send_sock, out)
         self.scheduler.expire_sessions()  # about once a second, busy or idle
         now = time.monotonic()
         if now - self.last_beat >= self.heartbeat_interval:
@@ -117,6 +122,11 @@ class SchedulerLoop:
         elif isinstance(msg, BatchTokenizedGenerateReqInput):
             for req in msg.reqs:
                 self._add_request(req)
+        elif isinstance(msg, TokenizedEmbeddingReqInput):
+            self._add_embedding_request(msg)
+        elif isinstance(msg, BatchTokenizedEmbeddingReqInput):
+            for req in msg.reqs:
+                self._add_embedding_request(req)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg)
         elif isinstance(msg, GetInternalStateReq):
@@ -137,19 +147,35 @@ class SchedulerLoop:
             logger.exception("request %s could not be taken in", req.rid)
             ipc.send(self.send_sock, _abort_output(req, f"the scheduler rejected it: {e}"))
 
+    def _add_embedding_request(self, req: TokenizedEmbeddingReqInput) -> None:
+        try:
+            self.scheduler.add_embedding_request(req)
+        except Exception as e:  # only this request fails; the scheduler state is untouched
+            logger.exception("request %s could not be taken in", req.rid)
+            out = _embedding_abort_output(req.rid, req.reply_to, f"the scheduler rejected it: {e}")
+            ipc.send(self.send_sock, out)
+
     def _reject_undecodable(self, frames: list[bytes], error: str) -> None:
         """A request that fails to decode still has a waiting client: end it (400) if its rid
-        and reply address can be read at all."""
+        and reply address can be read at all, answering in the type its kind expects."""
+        pooled = bytes(frames[0]) in EMBEDDING_REQ_TYPES if frames else False
         for rid, reply_to in _rids_of(frames):
+            message = f"malformed request: {error}"
+            if pooled:
+                out = _embedding_abort_output(rid, reply_to, message, 400)
+                ipc.send(self.send_sock, out)
+                continue
             req = TokenizedGenerateReqInput(rid, [], SamplingParams(), reply_to=reply_to)
-            ipc.send(self.send_sock, _abort_output(req, f"malformed request: {error}", 400))
+            ipc.send(self.send_sock, _abort_output(req, message, 400))
+
+
+GENERATE_REQ_TYPES = (b"TokenizedGenerateReqInput", b"BatchTokenizedGenerateReqInput")
+EMBEDDING_REQ_TYPES = (b"TokenizedEmbeddingReqInput", b"BatchTokenizedEmbeddingReqInput")
 
 
 def _rids_of(frames: list[bytes]) -> list[tuple[str, str]]:
     """(rid, reply_to) of each request inside an undecodable request message, best effort."""
-    if len(frames) != 2 or bytes(frames[0]) not in (
-        b"TokenizedGenerateReqInput", b"BatchTokenizedGenerateReqInput"
-    ):  # fmt: skip
+    if len(frames) != 2 or bytes(frames[0]) not in GENERATE_REQ_TYPES + EMBEDDING_REQ_TYPES:
         return []
     try:
         raw = msgspec.msgpack.decode(frames[1])
@@ -174,4 +200,15 @@ def _abort_output(
         skip_special_tokens=[True], spaces_between_special_tokens=[True], stop_strings=[[]],
         no_stop_trim=[False], output_token_logprobs=[[]], output_top_logprobs=[[]],
         input_token_logprobs=[[]], input_top_logprobs=[[]], reply_to=[req.reply_to],
+    )  # fmt: skip
+
+
+def _embedding_abort_output(
+    rid: str, reply_to: str, message: str, status_code: int = 500
+) -> BatchEmbeddingOutput:
+    code = "invalid_request" if status_code == 400 else "internal_error"
+    reason = FinishReason(type="abort", message=message, status_code=status_code, code=code)
+    return BatchEmbeddingOutput(
+        rids=[rid], embeddings=[b""], prompt_tokens=[0], finished_reasons=[reason],
+        reply_to=[reply_to], cached_tokens=[0],
     )  # fmt: skip

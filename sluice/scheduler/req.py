@@ -7,6 +7,10 @@ Token bookkeeping (all lengths count tokens of `fill_ids = origin_input_ids + ou
     `last_node`); the rest of the committed slots belong to this request alone;
   - during a prefill step, `extend_len` tokens from `kv_committed_len` on are computed.
 The last output token never has KV yet: decode computes it as the next step's input.
+
+A pooled request (`pooled` is EMBED or SCORE) is prefill only: max_new_tokens 0, it never
+decodes; the step that computes its last prompt token finishes it with `pooled_result`, the
+float32 bytes of its embedding or of its label-token logprobs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import time
 import torch
 
 from sluice.messages import FinishReason, SamplingParams, TopLogprobs
+
+EMBED, SCORE = "embed", "score"  # pooling of a prefill-only request
 
 
 class Req:
@@ -32,6 +38,8 @@ class Req:
         stream: bool = False,
         reply_to: str = "",
         timeout: float = 0.0,
+        pooled: str | None = None,
+        label_token_ids: list[int] | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
@@ -48,6 +56,10 @@ class Req:
         self.timeout = timeout
         # the session this request is a turn of (set by the scheduler), None otherwise
         self.session_id: str | None = None
+        # None: a generation request; EMBED or SCORE (with its label ids): prefill only
+        self.pooled = pooled
+        self.label_token_ids = label_token_ids
+        self.pooled_result = b""  # little-endian float32, set when a pooled request succeeds
 
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None

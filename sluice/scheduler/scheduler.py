@@ -3,6 +3,11 @@
 One `step()`:  expire deadlines, process aborts → pick the next batch (a prefill if anything can be admitted,
 else one decode step of the running batch) → run it → process the results → emit outputs.
 
+Pooled requests (embeddings, label-token scores; `add_embedding_request`) are prefill-only
+`Req`s on the same path (queue, prefix cache, chunking, abort, timeouts, `_release`); they never
+decode. `step()` returns the generation requests' BatchTokenIDOutput; the pooled requests that
+finished wait in `pooled_done` for `take_embedding_output()`, called after each step.
+
 Ownership: the scheduler owns every `Req` from intake to finish. A finished or aborted request
 goes through `_release` exactly once, which hands its KV to the radix cache (or frees it), drops
 its lock and its request row. At idle, every KV slot is free or held by the cache
@@ -21,12 +26,15 @@ import torch
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchTokenIDOutput,
     CloseSessionReq,
     FinishReason,
     InternalState,
     OpenSessionReply,
     OpenSessionReq,
+    SamplingParams,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from sluice.model.model_config import ModelConfig
@@ -34,10 +42,10 @@ from sluice.model.runner import ModelRunner
 from sluice.scheduler.batch import run_decode, run_prefill
 from sluice.scheduler.finish import FinishChecker
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from sluice.scheduler.output import build_output
+from sluice.scheduler.output import build_embedding_output, build_output
 from sluice.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting
 from sluice.scheduler.radix_cache import RadixCache
-from sluice.scheduler.req import Req
+from sluice.scheduler.req import EMBED, SCORE, Req
 from sluice.scheduler.resources import Resources
 from sluice.scheduler.sessions import SessionError, SessionManager, TurnPlan, prepended_bos
 from sluice.scheduler.timeouts import DeadlineTracker
@@ -66,6 +74,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.reqs: dict[str, Req] = {}  # every live request by rid
         self.touched: list[Req] = []  # requests with something to report after this step
+        self.pooled_done: list[Req] = []  # finished pooled requests not yet reported
         self.aborting: list[Req] = []  # live requests whose `to_abort` was set, not yet ended
         self.deadlines = DeadlineTracker(args.waiting_timeout, args.running_timeout)
         self.new_token_ratio = NEW_TOKEN_RATIO_INIT
@@ -97,6 +106,25 @@ class Scheduler:
             )  # fmt: skip
             for victim in self.sessions.start(plan, req, req.arrival_time):
                 self._mark_abort(victim, replaced)
+        self._enqueue(req)
+
+    def add_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
+        """Take a prefill-only request in: an embedding (no `label_token_ids`) or label-token
+        logprobs; or end it at once with a 400 abort. `token_type_ids` mean nothing to a
+        decoder and are ignored."""
+        pooled = EMBED if msg.label_token_ids is None else SCORE
+        req = Req(
+            msg.rid, list(msg.input_ids), SamplingParams(max_new_tokens=0), 0, frozenset(),
+            reply_to=msg.reply_to, pooled=pooled, label_token_ids=msg.label_token_ids,
+        )  # fmt: skip
+        error = self._validate(req)
+        if msg.rid in self.reqs:
+            error = f"a request with rid {msg.rid!r} is already running"
+        if error is not None:
+            return self._reject(req, error, "invalid_request")
+        self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
         self.reqs[req.rid] = req
         self.waiting.append(req)
         self.deadlines.add(req, req.arrival_time)
@@ -127,6 +155,11 @@ class Scheduler:
             return "the prompt is empty"
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.cfg.vocab_size:
             return f"token ids must be in [0, {self.cfg.vocab_size})"
+        labels = req.label_token_ids
+        if labels is not None and not labels:
+            return "label_token_ids is empty"
+        if labels and (min(labels) < 0 or max(labels) >= self.cfg.vocab_size):
+            return f"label token ids must be in [0, {self.cfg.vocab_size})"
         if n + req.max_new_tokens > self.context_len:
             return (
                 f"this model's maximum context length is {self.context_len} tokens; the request "
@@ -188,7 +221,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(
             self.waiting or self.running or self.chunked_req or self.touched or self.aborting
-        )
+            or self.pooled_done
+        )  # fmt: skip
 
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked_req)
@@ -347,10 +381,19 @@ class Scheduler:
                 self.finish(req, req.to_abort)
 
     def _take_outputs(self) -> BatchTokenIDOutput | None:
+        """Generation requests report now; finished pooled ones wait for
+        `take_embedding_output` (they only ever appear in `touched` once finished)."""
         if not self.touched:
             return None
         touched, self.touched = self.touched, []
-        return build_output(touched, self.args.stream_interval)
+        self.pooled_done.extend(r for r in touched if r.pooled is not None)
+        generation = [r for r in touched if r.pooled is None]
+        return build_output(generation, self.args.stream_interval)
+
+    def take_embedding_output(self) -> BatchEmbeddingOutput | None:
+        """The pooled requests finished since the last call, as one message (None if none)."""
+        done, self.pooled_done = self.pooled_done, []
+        return build_embedding_output(done)
 
     # ---- introspection --------------------------------------------------------------------
 

@@ -44,6 +44,12 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {name.encode(): msgspec.msgpack.Decoder(cls) for name, cls in MESSAGE_TYPES.items()}
 
 
+def heartbeat_interval(health_timeout: float) -> float:
+    """Seconds between a model loop's SchedulerHeartbeats: a few per readiness window
+    (--health-timeout), at most one a second."""
+    return min(1.0, max(health_timeout, 0.1) / 4)
+
+
 def encode(msg: msgspec.Struct) -> list[bytes]:
     name = type(msg).__name__
     if MESSAGE_TYPES.get(name) is not type(msg):

@@ -101,3 +101,14 @@ def test_a_failing_forward_fails_its_batch_with_500() -> None:
     assert out.finished_reasons[0].status_code == 500 and "boom" in out.finished_reasons[0].message
     state = s.internal_state()
     assert (state.kv_total, state.num_running_reqs, state.num_waiting_reqs) == (0, 0, 0)
+
+
+def test_label_token_ids_need_a_decoder_model() -> None:
+    enc = FakeEncoder()
+    s = _scheduler(enc)
+    s.add_request(TokenizedEmbeddingReqInput(rid="s", input_ids=[1, 2], label_token_ids=[3]))
+    out = s.step()
+    reason = out.finished_reasons[0]
+    assert (out.rids, reason.status_code, reason.code) == (["s"], 400, "invalid_request")
+    assert "label-token scoring needs a decoder model" in reason.message
+    assert out.embeddings == [b""] and enc.batches == []

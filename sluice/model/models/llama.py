@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.model.forward_batch import ForwardBatch
+from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.kv_cache import KVCache
 from sluice.model.layers import PagedAttention, RMSNorm, RotaryEmbedding
 from sluice.model.model_config import ModelConfig
@@ -106,12 +106,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Returns logits [N, vocab] for the rows in `fb.logits_index` only."""
-        hidden = self.model(fb, kv)
-        return self.lm_head(hidden[fb.logits_index])
+        return self.forward_output(fb, kv).logits
 
-    def hidden_states(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] (for embeddings by last-token pooling)."""
-        return self.model(fb, kv)
+    def forward_output(self, fb: ForwardBatch, kv: KVCache) -> ForwardOutput:
+        """Logits and final-norm hidden states (last-token pooling) of the `fb.logits_index`
+        rows, from one forward; the hidden rows cost nothing extra."""
+        hidden = self.model(fb, kv)[fb.logits_index]  # [N, hidden]
+        return ForwardOutput(self.lm_head(hidden), hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -30,7 +30,7 @@ from sluice.detokenizer.process import run_detokenizer_process
 from sluice.messages import ReadyMsg
 from sluice.scheduler.process import run_scheduler_process
 from sluice.tokenizer.embedding_manager import (
-    EmbeddingManager,
+    EncoderManager,
     EncoderSpec,
     plan_encoders,
     start_manager,
@@ -69,7 +69,7 @@ class ServingProcesses:
         self.failure: str | None = None  # why a child died, once one has
         self.addrs: ipc.IpcAddrs | None = None  # created on entry, removed on exit
         self.tm: TokenizerManager | None = None
-        self.embedders: list[EmbeddingManager] = []  # extra encoder models, one child each
+        self.embedders: list[EncoderManager] = []  # extra encoder models, one child each
         self._encoders: list[EncoderSpec] = []
         self._encoder_infos: list[dict[str, Any]] = []  # their ready handshakes, in order
         self._children: list[_Child] = []
@@ -321,7 +321,7 @@ class _Server(uvicorn.Server):
 
 
 def _create_app(
-    tm: TokenizerManager, args: ServerArgs, embedders: list[EmbeddingManager] | None = None
+    tm: TokenizerManager, args: ServerArgs, embedders: list[EncoderManager] | None = None
 ) -> Any:
     from sluice.server.app import create_app  # the HTTP layer, only in this process
 

@@ -35,6 +35,7 @@ from sluice.server.serving_completions import OpenAIServingCompletion
 from sluice.server.serving_embedding import ServingEmbedding
 from sluice.server.serving_generate import ServingGenerate
 from sluice.server.serving_rerank import ServingRerank
+from sluice.server.serving_score import ServingScore
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,9 @@ def create_app(
     keepalive_interval: float = 5.0,
     embedders: list[Any] | None = None,
 ) -> FastAPI:
-    """`embedders`: the EmbeddingManagers of the server's encoder models, routed by `model`."""
+    """`embedders`: the EmbeddingManagers of the server's encoder models, routed by `model`;
+    the TokenizerManager's own `embedding_manager` (if it has one) makes the chat model serve
+    embeddings, /v1/score and rerank too."""
     app = FastAPI(
         title="sluice", version=__version__, docs_url=None, redoc_url=None, **_no_telemetry()
     )
@@ -120,10 +123,13 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 def _add_encoder_routes(app: FastAPI, ctx: ServingContext, embedders: list[Any]) -> None:
     app.state.embedders = embedders
-    embedding, rerank = ServingEmbedding(ctx, embedders), ServingRerank(ctx, embedders)
+    decoder = getattr(ctx.tokenizer_manager, "embedding_manager", None)
+    models = [*embedders, *([decoder] if decoder is not None else [])]
+    embedding, rerank = ServingEmbedding(ctx, models), ServingRerank(ctx, models)
     app.add_api_route("/v1/embeddings", embedding.handle, methods=["POST"])
     app.add_api_route("/v1/rerank", rerank.handle, methods=["POST"])
     app.add_api_route("/rerank", rerank.handle, methods=["POST"])
+    app.add_api_route("/v1/score", ServingScore(ctx, models).handle, methods=["POST"])
 
 
 def _encoder_card(embedder: Any, created: int) -> dict[str, Any]:
@@ -145,6 +151,7 @@ async def _internal_state(ctx: ServingContext) -> dict[str, Any]:
 
 def _model_card(ctx: ServingContext, created: int) -> dict[str, Any]:
     context_len = int(ctx.tokenizer_manager.context_len)
+    decoder = getattr(ctx.tokenizer_manager, "embedding_manager", None)
     return {
         "id": ctx.model_name,
         "object": "model",
@@ -154,6 +161,7 @@ def _model_card(ctx: ServingContext, created: int) -> dict[str, Any]:
         "context_length": context_len,
         "max_model_len": context_len,
         "task": "generate",
+        "tasks": list(decoder.tasks) if decoder is not None else ["generate"],
     }
 
 

@@ -5,6 +5,10 @@
 for); `dimensions` truncates each vector and re-normalizes it; `truncate_prompt_tokens` keeps
 the first N tokens of longer inputs (without it, a longer input than the model takes is a 400).
 `data[i].index` follows input order.
+
+`model` is an embedding model, or the chat model itself: a decoder's embedding is the final-norm
+hidden state of an input's last token, L2-normalized. Without `model`: the embedding model when
+the server has one, else the decoder.
 """
 
 from __future__ import annotations
@@ -34,32 +38,33 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
-def served_model_names(ctx: ServingContext, encoders: list[Any]) -> list[str]:
-    return [ctx.model_name, *(e.model_name for e in encoders)]
+def served_model_names(ctx: ServingContext, models: list[Any]) -> list[str]:
+    names = [ctx.model_name, *(m.model_name for m in models)]
+    return list(dict.fromkeys(names))
 
 
-def pick_encoder(
-    ctx: ServingContext, encoders: list[Any], model: str | None, tasks: tuple[str, ...]
+def pick_model(
+    ctx: ServingContext, models: list[Any], model: str | None, task: str, prefer: tuple[str, ...]
 ) -> Any:
-    """The encoder model a request names (the first one of `tasks` when it names none).
+    """The pooled model (an EmbeddingManager) that serves `task` for a request: the one it
+    names, or, when it names none, the first model whose own task is in `prefer` (in that order:
+    "rerank" a cross-encoder, "embed" an embedding model, "generate" the decoder).
 
-    A served model of another task is a 400; a model not served at all is a 404 naming those
-    that are."""
+    A served model that cannot serve `task` is a 400; a model not served at all is a 404
+    naming those that are."""
     if not model:
-        for task in tasks:
-            found = next((e for e in encoders if e.task == task), None)
+        for kind in prefer:
+            found = next((m for m in models if m.task == kind), None)
             if found is not None:
                 return found
-        raise APIError(
-            400, f"this server serves no {' or '.join(tasks)} model", "model_not_found", "model"
-        )
-    found = next((e for e in encoders if e.model_name == model), None)
-    if found is not None and found.task in tasks:
+        raise APIError(400, f"this server serves no model for {task}", "model_not_found", "model")
+    found = next((m for m in models if m.model_name == model), None)
+    if found is not None and task in found.tasks:
         return found
-    names = served_model_names(ctx, encoders)
+    names = served_model_names(ctx, models)
     if found is not None or model in names:
         raise APIError(
-            400, f"the model '{model}' cannot serve this route ({' or '.join(tasks)})",
+            400, f"the model '{model}' cannot serve this route ({task})",
             "invalid_request_error", "model",
         )  # fmt: skip
     served = ", ".join(f"'{n}'" for n in names)
@@ -87,13 +92,15 @@ def truncate_dimensions(vector: np.ndarray, dimensions: int | None) -> np.ndarra
 
 
 class ServingEmbedding:
-    def __init__(self, ctx: ServingContext, encoders: list[Any]) -> None:
-        self.ctx, self.encoders = ctx, encoders
+    """`models`: the pooled models (encoders, then the decoder's manager if any)."""
+
+    def __init__(self, ctx: ServingContext, models: list[Any]) -> None:
+        self.ctx, self.models = ctx, models
 
     async def handle(self, raw_request: Request) -> Response:
         try:
             req = await parse_body(raw_request, EmbeddingRequest)
-            encoder = pick_encoder(self.ctx, self.encoders, req.model, ("embed",))
+            encoder = pick_model(self.ctx, self.models, req.model, "embed", ("embed", "generate"))
             self._check(req, encoder)
             return await run_until_disconnect(raw_request, self._respond(req, encoder))
         except Exception as exc:

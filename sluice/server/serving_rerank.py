@@ -2,9 +2,12 @@
 
 `{model, query, documents: [str | {text}], top_n, return_documents}` →
 `{id, model, method, results: [{index, relevance_score, document?}], usage}`, results sorted by
-score, highest first. A cross-encoder scores each (query, document) pair when the server has one
-(or the request names it): `method` "cross-encoder". Otherwise an embedding model embeds the
-query and the documents and the score is their cosine similarity: `method` "cosine".
+score, highest first. The model scores each document in one of three ways; without `model`,
+the first the server can: a cross-encoder scores each (query, document) pair: `method`
+"cross-encoder". An embedding model embeds the query and the documents and the score is their
+cosine similarity: `method` "cosine". The chat model (a decoder) is asked, through its chat
+template, whether the document answers the query, and the score is p(yes) / (p(yes) + p(no))
+of its next token: `method` "decoder-yes-no".
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.server.errors import APIError, error_response
 from sluice.server.serving_base import ServingContext, new_rid, parse_body, run_until_disconnect
-from sluice.server.serving_embedding import pick_encoder
+from sluice.server.serving_embedding import pick_model
+from sluice.server.serving_score import label_probabilities
+from sluice.tokenizer import chat
+
+# routing without `model`: a cross-encoder, else an embedding model (cosine), else the decoder
+RERANK_PREFERENCE = ("rerank", "embed", "generate")
+RERANK_SYSTEM_PROMPT = 'Judge whether the document answers the query. Answer only "yes" or "no".'
 
 
 class RerankDocument(BaseModel):
@@ -36,14 +45,51 @@ class RerankRequest(BaseModel):
     return_documents: bool = True
 
 
+def rerank_prompt(tokenizer: Any, query: str, document: str) -> str:
+    """The decoder's chat prompt asking whether `document` answers `query`, up to the start of
+    the assistant's turn."""
+    messages = [
+        {"role": "system", "content": RERANK_SYSTEM_PROMPT},
+        {"role": "user", "content": f"Query: {query}\nDocument: {document}"},
+    ]
+    return chat.apply_chat_template(tokenizer, messages, add_generation_prompt=True)
+
+
+def yes_no_token_ids(tokenizer: Any) -> list[int]:
+    """The single-token ids of "yes" and "no" (or " yes" and " no") in `tokenizer`."""
+    ids = []
+    for word in ("yes", "no"):
+        for text in (word, f" {word}"):
+            encoded = tokenizer.encode(text, add_special_tokens=False)
+            if len(encoded) == 1:
+                ids.append(int(encoded[0]))
+                break
+        else:
+            raise APIError(
+                400, f"this model's tokenizer has no single token for {word!r}: it cannot rerank",
+                "invalid_request_error", "model",
+            )  # fmt: skip
+    return ids
+
+
 class ServingRerank:
-    def __init__(self, ctx: ServingContext, encoders: list[Any]) -> None:
-        self.ctx, self.encoders = ctx, encoders
+    """`models`: the pooled models (encoders, then the decoder's manager if any)."""
+
+    def __init__(self, ctx: ServingContext, models: list[Any]) -> None:
+        self.ctx, self.models = ctx, models
+        # found once, before serving: the tokenizer is not called on the event loop
+        self._yes_no: list[int] | APIError | None = None
+        decoder = next((m for m in models if m.is_decoder), None)
+        if decoder is not None:
+            try:
+                self._yes_no = yes_no_token_ids(decoder.tokenizer)
+            except APIError as e:
+                self._yes_no = e
 
     async def handle(self, raw_request: Request) -> Response:
         try:
             req = await parse_body(raw_request, RerankRequest)
-            encoder = pick_encoder(self.ctx, self.encoders, req.model, ("rerank", "embed"))
+            encoder = pick_model(self.ctx, self.models, req.model, "rerank", RERANK_PREFERENCE)
             if not req.query.strip():
                 raise APIError(400, "query must not be empty", "invalid_request_error", "query")
             if not req.documents:
@@ -59,6 +105,9 @@ class ServingRerank:
         if encoder.task == "rerank":
             scores, num_tokens = await encoder.score_pairs(req.query, texts)
             method = "cross-encoder"
+        elif encoder.is_decoder:
+            scores, num_tokens = await self._decoder_scores(encoder, req.query, texts)
+            method = "decoder-yes-no"
         else:
             scores, num_tokens = await _cosine_scores(encoder, req.query, texts)
             method = "cosine"
@@ -77,6 +126,16 @@ class ServingRerank:
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
         }
         return JSONResponse(body)
+
+    async def _decoder_scores(
+        self, decoder: Any, query: str, texts: list[str]
+    ) -> tuple[list[float], int]:
+        if isinstance(self._yes_no, APIError):
+            raise self._yes_no
+        assert self._yes_no is not None  # found at start for the one decoder
+        prompts = [rerank_prompt(decoder.tokenizer, query, text) for text in texts]
+        logprobs, num_tokens = await decoder.score_labels(prompts, self._yes_no, "documents")
+        return [label_probabilities(lp, apply_softmax=True)[0] for lp in logprobs], num_tokens
 
 
 async def _cosine_scores(encoder: Any, query: str, texts: list[str]) -> tuple[list[float], int]:

@@ -1,14 +1,19 @@
-"""EmbeddingManager: the HTTP process's end of an encoder model (embeddings, cross-encoder scores).
+"""The HTTP process's end of pooled requests: embeddings and scores, by an encoder or the decoder.
 
-Inputs (texts, token ids, or (query, document) pairs for a cross-encoder) are tokenized off the
-event loop, validated (empty, out-of-vocabulary and over-long inputs are RequestErrors, 400),
-and sent to the model's encoder scheduler as one message; vectors come back as
-BatchEmbeddingOutput and resolve one future per input.
+`EmbeddingManager` is the request logic. Inputs (texts, token ids, or (query, document) pairs
+for a cross-encoder) are tokenized off the event loop, validated (empty, out-of-vocabulary and
+over-long inputs are RequestErrors, 400), and sent to the model's scheduler as one message;
+vectors come back as BatchEmbeddingOutput (`on_output`) and resolve one future per input. With
+`label_token_ids` (a decoder only) each vector is the next-token log-probabilities of those ids.
 
 Ownership: `pending` holds exactly the rids sent and not yet answered. A call that ends early
-(error, cancellation) removes its rids and sends an AbortReq for them. Each extra model of a
-server has its own manager, its own scheduler process and its own sockets: the scheduler pushes
-straight to this manager's socket (there is no text to detokenize).
+(error, cancellation) removes its rids and sends an AbortReq for them. How messages travel is
+not this class's business: it is given a `send` callable and is handed the outputs.
+- An extra encoder model of a server is an `EncoderManager`: its own scheduler process, its own
+  sockets and receive loop; the scheduler pushes straight to this manager's socket.
+- The decoder's manager (`decoder_info`) is owned by the TokenizerManager: it sends on the
+  TokenizerManager's scheduler socket, shares its tokenizer thread, and gets its outputs from
+  the TokenizerManager's receive loop (the detokenizer passes them through unchanged).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import dataclasses
 import logging
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +51,12 @@ logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 60.0
 NONE_VALUES = ("", "none", "None")
+# a model's `task` (its card's) → the routes it serves
+TASKS = {
+    "embed": ("embed", "rerank"),  # rerank by cosine similarity
+    "rerank": ("rerank",),  # a cross-encoder
+    "generate": ("generate", "embed", "score", "rerank"),  # the decoder
+}
 
 
 @dataclass(frozen=True)
@@ -91,52 +103,64 @@ def _embedding_path(args: ServerArgs) -> str | None:
     return args.embedding_model_path
 
 
-def start_manager(spec: EncoderSpec, info: dict[str, Any]) -> EmbeddingManager:
+def start_manager(spec: EncoderSpec, info: dict[str, Any]) -> EncoderManager:
     """The manager of a ready encoder child (blocking: loads the tokenizer)."""
     from sluice.utils.tokenizer import get_tokenizer
 
-    return EmbeddingManager(get_tokenizer(str(info["hf_dir"])), spec.addrs, info)
+    return EncoderManager(get_tokenizer(str(info["hf_dir"])), spec.addrs, info)
+
+
+def decoder_info(
+    model_name: str, context_len: int, vocab_size: int, hidden_size: int
+) -> dict[str, Any]:
+    """The `info` of the decoder's manager: vectors are last-token hidden states."""
+    return {
+        "model_name": model_name, "task": "generate", "context_len": context_len,
+        "vocab_size": vocab_size, "dimensions": hidden_size,
+    }  # fmt: skip
 
 
 class EmbeddingManager:
-    def __init__(self, tokenizer: Any, addrs: ipc.IpcAddrs, info: dict[str, Any]) -> None:
+    """`send(msg)` puts a message on the way to the model's scheduler; `admit(n)` (optional)
+    raises a RequestError (429, 503) when `n` more requests may not go in now. `executor`: the
+    one thread that may call `tokenizer` (this manager makes and owns one when None)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        info: dict[str, Any],
+        send: Callable[[Any], None],
+        reply_to: str,
+        executor: ThreadPoolExecutor | None = None,
+        admit: Callable[[int], None] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = str(info["model_name"])
-        self.task = str(info["task"])  # "embed" | "rerank"
+        self.task = str(info["task"])  # "embed" | "rerank" | "generate"
+        self.tasks = TASKS[self.task]
         self.context_len = int(info["context_len"])
         self.vocab_size = int(info["vocab_size"])
         self.dimensions = int(info["dimensions"])
         self.is_healthy = True
         self.pending: dict[str, asyncio.Future[tuple[bytes, int, FinishReason]]] = {}
-        self._reply_to = addrs.tokenizer_in
-        self._ctx = zmq.asyncio.Context()
-        self._to_scheduler = ipc.push_socket(zmq.Context.shadow(self._ctx), addrs.scheduler_in)
-        self._recv_sock = ipc.pull_socket(self._ctx, addrs.tokenizer_in)
-        self._state_waiters: deque[asyncio.Future[InternalStateReply]] = deque()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed-tokenize")
-        self._loop_task: asyncio.Task[None] | None = None
+        self._send = send
+        self._reply_to = reply_to
+        self._admit = admit
+        self._owns_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="embed-tokenize"
+        )
 
-    # ---- lifecycle ------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
-
-    async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        for sock in (self._to_scheduler, self._recv_sock):
-            sock.close(linger=0)
-        self._ctx.term()
-        self._executor.shutdown(wait=False)
+    @property
+    def is_decoder(self) -> bool:
+        return self.task == "generate"
 
     def on_child_death(self, message: str) -> None:
         self.is_healthy = False
-        for fut in [*self.pending.values(), *self._state_waiters]:
+        for fut in self.pending.values():
             if not fut.done():
                 fut.set_exception(_unavailable(message))
         self.pending.clear()
-        self._state_waiters.clear()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -146,8 +170,22 @@ class EmbeddingManager:
         """One float32 vector per input, in order, and the number of prompt tokens."""
         if not inputs:
             raise RequestError("input must not be empty", param="input")
-        encoded = await self._run(self._encode_inputs, inputs, truncate)
+        encoded = await self._run(self._encode_inputs, inputs, truncate, "input")
         return await self.run(encoded)
+
+    async def score_labels(
+        self, prompts: list[str] | list[list[int]], label_token_ids: list[int], param: str
+    ) -> tuple[list[np.ndarray], int]:
+        """A decoder's next-token log-probabilities of `label_token_ids` (in their order) after
+        each prompt, and the number of prompt tokens. Over-long prompts are a 400 (`param`)."""
+        if not self.is_decoder:
+            raise RequestError(
+                f"the model '{self.model_name}' is an encoder: scoring needs a decoder",
+                param="model",
+            )
+        self._validate_labels(label_token_ids)
+        encoded = await self._run(self._encode_inputs, prompts, None, param)
+        return await self.run(encoded, list(label_token_ids), param)
 
     async def score_pairs(self, query: str, documents: list[str]) -> tuple[list[float], int]:
         """A cross-encoder's score of (query, document) for each document; documents that do
@@ -156,24 +194,34 @@ class EmbeddingManager:
         vectors, num_tokens = await self.run(encoded)
         return [float(v[0] if len(v) == 1 else v[-1]) for v in vectors], num_tokens
 
-    async def run(self, encoded: list[Encoded]) -> tuple[list[np.ndarray], int]:
+    async def run(
+        self,
+        encoded: list[Encoded],
+        label_token_ids: list[int] | None = None,
+        param: str = "input",
+    ) -> tuple[list[np.ndarray], int]:
         self._check_healthy()
         for e in encoded:
-            self._validate(e.input_ids)
+            self._validate(e.input_ids, param)
+        if self._admit is not None:
+            self._admit(len(encoded))
         base = uuid.uuid4().hex
         rids = [f"{base}-{i}" for i in range(len(encoded))]
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in rids]
         self.pending.update(zip(rids, futures, strict=True))
         reqs = [
-            TokenizedEmbeddingReqInput(rid, e.input_ids, e.token_type_ids, self._reply_to)
+            TokenizedEmbeddingReqInput(
+                rid=rid,
+                input_ids=e.input_ids,
+                token_type_ids=e.token_type_ids,
+                label_token_ids=label_token_ids,
+                reply_to=self._reply_to,
+            )  # fmt: skip
             for rid, e in zip(rids, encoded, strict=True)
         ]
         try:
-            ipc.send(
-                self._to_scheduler,
-                reqs[0] if len(reqs) == 1 else BatchTokenizedEmbeddingReqInput(reqs),
-            )
+            self._send(reqs[0] if len(reqs) == 1 else BatchTokenizedEmbeddingReqInput(reqs))
             results = await asyncio.gather(*futures)
         finally:
             self._release(rids)
@@ -193,24 +241,24 @@ class EmbeddingManager:
         unanswered = [rid for rid in rids if self.pending.pop(rid, None) is not None]
         if unanswered and self.is_healthy:
             for rid in unanswered:
-                ipc.send(self._to_scheduler, AbortReq(rid=rid))
+                self._send(AbortReq(rid=rid))
 
     # ---- tokenization (in the executor thread) ----------------------------------------------
 
     def _encode_inputs(
-        self, inputs: list[str] | list[list[int]], truncate: int | None
+        self, inputs: list[str] | list[list[int]], truncate: int | None, param: str
     ) -> list[Encoded]:
-        out = []
         texts = [(i, t) for i, t in enumerate(inputs) if isinstance(t, str)]
         for _, text in texts:
             if not text.strip():
-                raise RequestError("input strings must not be empty", param="input")
+                raise RequestError(f"{param} strings must not be empty", param=param)
         limit = None if truncate is None else min(truncate, self.context_len)
         encoded = {}
         if texts:
             kwargs = {"truncation": True, "max_length": limit} if limit else {}
             ids = self.tokenizer([t for _, t in texts], **kwargs)["input_ids"]
             encoded = {i: list(x) for (i, _), x in zip(texts, ids, strict=True)}
+        out = []
         for i, item in enumerate(inputs):
             seq = encoded[i] if i in encoded else list(item)
             out.append(Encoded(seq[:limit] if limit else seq))
@@ -230,22 +278,91 @@ class EmbeddingManager:
             for i, t in zip(enc["input_ids"], types, strict=True)
         ]
 
-    def _validate(self, ids: list[int]) -> None:
+    def _validate(self, ids: list[int], param: str) -> None:
         if not ids:
-            raise RequestError("input must not be empty", param="input")
+            raise RequestError(f"{param} must not be empty", param=param)
         bad = next((t for t in ids if not (type(t) is int and 0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise RequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input"
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param
             )
         if len(ids) > self.context_len:
             raise RequestError(
                 f"This model's maximum context length is {self.context_len} tokens. However, "
-                f"an input has {len(ids)} tokens. Shorten it, or set truncate_prompt_tokens.",
-                code="context_length_exceeded", param="input",
+                f"an input has {len(ids)} tokens. Shorten it"
+                + (", or set truncate_prompt_tokens." if param == "input" else "."),
+                code="context_length_exceeded", param=param,
             )  # fmt: skip
 
+    def _validate_labels(self, label_token_ids: list[int]) -> None:
+        if not label_token_ids:
+            raise RequestError("label_token_ids must not be empty", param="label_token_ids")
+        bad = next(
+            (t for t in label_token_ids if not (type(t) is int and 0 <= t < self.vocab_size)), None
+        )
+        if bad is not None:
+            raise RequestError(
+                f"label token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                param="label_token_ids",
+            )
+
     # ---- receiving ------------------------------------------------------------------------
+
+    def on_output(self, out: BatchEmbeddingOutput) -> None:
+        """Resolve the futures of the rids of `out`; a rid no longer pending (aborted, or its
+        caller gone) is dropped."""
+        for rid, data, num, reason in zip(
+            out.rids, out.embeddings, out.prompt_tokens, out.finished_reasons, strict=True
+        ):
+            fut = self.pending.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result((data, num, reason))
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _check_healthy(self) -> None:
+        if not self.is_healthy:
+            raise _unavailable("the server is shutting down after a process failure")
+
+    def shutdown_executor(self) -> None:
+        if self._owns_executor:
+            self._executor.shutdown(wait=False)
+
+
+class EncoderManager(EmbeddingManager):
+    """An extra encoder model's manager: it owns the sockets to its scheduler process and the
+    loop that receives from it."""
+
+    def __init__(self, tokenizer: Any, addrs: ipc.IpcAddrs, info: dict[str, Any]) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._to_scheduler = ipc.push_socket(zmq.Context.shadow(self._ctx), addrs.scheduler_in)
+        self._recv_sock = ipc.pull_socket(self._ctx, addrs.tokenizer_in)
+        self._state_waiters: deque[asyncio.Future[InternalStateReply]] = deque()
+        self._loop_task: asyncio.Task[None] | None = None
+        super().__init__(tokenizer, info, self._send_to_scheduler, addrs.tokenizer_in)
+
+    def _send_to_scheduler(self, msg: Any) -> None:
+        ipc.send(self._to_scheduler, msg)
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for sock in (self._to_scheduler, self._recv_sock):
+            sock.close(linger=0)
+        self._ctx.term()
+        self.shutdown_executor()
+
+    def on_child_death(self, message: str) -> None:
+        super().on_child_death(message)
+        for fut in self._state_waiters:
+            if not fut.done():
+                fut.set_exception(_unavailable(message))
+        self._state_waiters.clear()
 
     async def _handle_loop(self) -> None:
         while True:
@@ -266,28 +383,13 @@ class EmbeddingManager:
         else:
             logger.debug("ignored a %s", type(msg).__name__)
 
-    def on_output(self, out: BatchEmbeddingOutput) -> None:
-        for rid, data, num, reason in zip(
-            out.rids, out.embeddings, out.prompt_tokens, out.finished_reasons, strict=True
-        ):
-            fut = self.pending.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result((data, num, reason))
-
     async def get_internal_state(self) -> dict[str, Any]:
         self._check_healthy()
         fut = asyncio.get_running_loop().create_future()
         self._state_waiters.append(fut)
-        ipc.send(self._to_scheduler, GetInternalStateReq())
+        self._send(GetInternalStateReq())
         reply = await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
         return {**msgspec.structs.asdict(reply.state), "num_req_states": len(self.pending)}
-
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _check_healthy(self) -> None:
-        if not self.is_healthy:
-            raise _unavailable("the server is shutting down after a process failure")
 
 
 def _unavailable(message: str) -> RequestError:

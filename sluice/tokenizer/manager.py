@@ -14,8 +14,13 @@ before it was sent (still tokenizing) never reaches the scheduler. An output for
 neither place is a zombie (`counters.unknown_rid_outputs`).
 
 Admission: with --max-queued-requests Q, a request is refused with 429 when the rids in flight
-(in `rid_to_state` or awaiting an echo) plus its own would exceed max_running_requests + Q:
-counted here, exactly and at once, rather than from a scheduler report that lags by a step.
+(in `rid_to_state`, awaiting an echo, or pooled requests pending in `embedding_manager`) plus
+its own would exceed max_running_requests + Q: counted here, exactly and at once, rather than
+from a scheduler report that lags by a step.
+
+Pooled requests of the decoder (embeddings, next-token label scores) belong to
+`embedding_manager`, which this manager owns: it sends on this manager's scheduler socket, uses
+its tokenizer thread, and gets the BatchEmbeddingOutput that arrive here.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import zmq.asyncio
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenizedGenerateReqInput,
     CloseSessionReq,
@@ -53,6 +59,7 @@ from sluice.messages import (
 from sluice.model.model_config import ModelConfig
 from sluice.tokenizer import chat
 from sluice.tokenizer.counters import RequestCounters
+from sluice.tokenizer.embedding_manager import EmbeddingManager, decoder_info
 from sluice.tokenizer.generate_input import GenerateReqInput
 from sluice.tokenizer.normalize import Item, RequestError, normalize
 from sluice.tokenizer.req_state import ReqState, merge_update, output_dict
@@ -104,6 +111,15 @@ class TokenizerManager:
         # one thread: HF tokenizers are not safe to call concurrently
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._loop_task: asyncio.Task[None] | None = None
+        self.embedding_manager = EmbeddingManager(
+            tokenizer,
+            decoder_info(
+                self.model_name, min(self.context_len, self.max_total_tokens),
+                model_config.vocab_size, model_config.hidden_size,
+            ),
+            send=lambda msg: ipc.send(self._to_scheduler, msg), reply_to=self._reply_to,
+            executor=self._executor, admit=self._admit_pooled,
+        )  # fmt: skip
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -132,6 +148,7 @@ class TokenizerManager:
             state.notify()
         self.rid_to_state.clear()
         self.awaiting_echo.clear()
+        self.embedding_manager.on_child_death(message)
         for waiters in (self._state_waiters, self._flush_waiters, self._session_waiters):
             while waiters:
                 fut = waiters.popleft()
@@ -173,11 +190,19 @@ class TokenizerManager:
             self.counters.rejected["shutting_down"] += 1
             raise _unavailable("the server is shutting down", code="shutting_down")
 
+    def _admit_pooled(self, num_reqs: int) -> None:
+        """The gate of the decoder's pooled requests: the same as a generation's."""
+        self._check_healthy()
+        self._check_accepting()
+        self._check_admission(num_reqs)
+
     def _check_admission(self, num_items: int) -> None:
         limit = self.args.max_queued_requests
         if limit <= 0:
             return
-        in_flight = len(self.rid_to_state) + len(self.awaiting_echo)
+        in_flight = (
+            len(self.rid_to_state) + len(self.awaiting_echo) + len(self.embedding_manager.pending)
+        )
         if in_flight + num_items > self.max_running_requests + limit:
             self.counters.rejected["queue_full"] += 1
             err = RequestError(
@@ -366,6 +391,8 @@ class TokenizerManager:
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOutput):
             self._handle_batch_output(msg)
+        elif isinstance(msg, BatchEmbeddingOutput):
+            self.embedding_manager.on_output(msg)
         elif isinstance(msg, InternalStateReply):
             _resolve_first(self._state_waiters, msg)
         elif isinstance(msg, FlushCacheReply):
@@ -429,7 +456,9 @@ class TokenizerManager:
         and this process's rids (live ones and those awaiting an abort echo)."""
         reply = await self._control(GetInternalStateReq(), self._state_waiters)
         state = msgspec.structs.asdict(reply.state)
-        state["num_req_states"] = len(self.rid_to_state) + len(self.awaiting_echo)
+        state["num_req_states"] = (
+            len(self.rid_to_state) + len(self.awaiting_echo) + len(self.embedding_manager.pending)
+        )
         state["num_detokenizer_states"] = reply.num_detokenizer_states
         state["kv_pool"] = {
             "total": state["kv_total"], "free": state["kv_free"],

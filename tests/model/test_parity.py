@@ -152,7 +152,10 @@ def smollm2_greedy_reference(smollm2_reference_dir):
         ids = tok.encode(chat, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=tok.eos_token_id
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
             )
         refs.append((ids, out[0, len(ids) :].tolist()))
     return refs
@@ -166,6 +169,8 @@ def test_smollm2_greedy_equals_transformers_alone_and_batched(smollm2_greedy_ref
     for ids, ref in smollm2_greedy_reference:
         got = engine.generate(input_ids=ids, sampling_params=params)
         assert got["output_ids"] == ref
-    batch = engine.generate(input_ids=[ids for ids, _ in smollm2_greedy_reference], sampling_params=params)
+    batch = engine.generate(
+        input_ids=[ids for ids, _ in smollm2_greedy_reference], sampling_params=params
+    )
     assert [b["output_ids"] for b in batch] == [ref for _, ref in smollm2_greedy_reference]
     engine.scheduler.check_idle_invariant()

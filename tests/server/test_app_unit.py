@@ -332,3 +332,74 @@ def test_client_disconnect_closes_the_generator(fake_tm, stream: bool) -> None:
     _asgi_call(app, {"messages": MSG, "stream": stream}, disconnect_after=0.2)
     assert len(fake_tm.requests) == 1
     assert fake_tm.num_closed == 1
+
+
+# ---- routing of pooled requests (embeddings, score, rerank) ---------------------------------
+
+
+class _Pooled:
+    def __init__(self, name: str, task: str) -> None:
+        from sluice.tokenizer.embedding_manager import TASKS
+
+        self.model_name, self.task, self.tasks = name, task, TASKS[task]
+
+
+def _pick(models: list[Any], model: str | None, task: str, prefer: tuple[str, ...]) -> Any:
+    from sluice.server.serving_base import ServingContext
+    from sluice.server.serving_embedding import pick_model
+
+    ctx = ServingContext(None, "chat", None, None)  # type: ignore[arg-type]
+    return pick_model(ctx, models, model, task, prefer)
+
+
+def test_pooled_routing_prefers_encoders_then_the_decoder() -> None:
+    from sluice.server.errors import APIError
+    from sluice.server.serving_rerank import RERANK_PREFERENCE
+
+    cross, emb, dec = _Pooled("ce", "rerank"), _Pooled("emb", "embed"), _Pooled("chat", "generate")
+    assert _pick([cross, emb, dec], None, "rerank", RERANK_PREFERENCE) is cross
+    assert _pick([emb, dec], None, "rerank", RERANK_PREFERENCE) is emb
+    assert _pick([dec], None, "rerank", RERANK_PREFERENCE) is dec
+    assert _pick([dec], None, "embed", ("embed", "generate")) is dec
+    assert _pick([emb, dec], "chat", "score", ("generate",)) is dec
+    for model, status in (("emb", 400), ("ce", 400), ("nope", 404)):
+        with pytest.raises(APIError) as err:
+            _pick([cross, emb, dec], model, "score", ("generate",))
+        assert err.value.status_code == status and err.value.param == "model"
+    with pytest.raises(APIError) as err:
+        _pick([cross], None, "score", ("generate",))
+    assert err.value.status_code == 400
+
+
+def test_score_prompts_and_label_probabilities() -> None:
+    import numpy as np
+
+    from sluice.server.errors import APIError
+    from sluice.server.serving_score import label_probabilities, score_prompts
+
+    assert score_prompts("q", ["a", "b"], False) == ["qa", "qb"]
+    assert score_prompts("q", "a", True) == ["aq"]
+    assert score_prompts([1, 2], [[3], [4, 5]], True) == [[3, 1, 2], [4, 5, 1, 2]]
+    for query, items in (("q", []), ("q", [[1]]), ([1], ["a"])):
+        with pytest.raises(APIError):
+            score_prompts(query, items, False)
+    lp = np.log(np.array([0.2, 0.05], dtype=np.float32))
+    assert np.allclose(label_probabilities(lp, False), [0.2, 0.05], atol=1e-6)
+    assert np.allclose(label_probabilities(lp, True), [0.8, 0.2], atol=1e-6)
+
+
+def test_yes_no_tokens_must_be_single_tokens() -> None:
+    from sluice.server.errors import APIError
+    from sluice.server.serving_rerank import yes_no_token_ids
+
+    class Tok:
+        def __init__(self, vocab: dict[str, list[int]]) -> None:
+            self.vocab = vocab
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return self.vocab.get(text, [0, 0])
+
+    assert yes_no_token_ids(Tok({"yes": [7], " no": [9]})) == [7, 9]
+    with pytest.raises(APIError) as err:
+        yes_no_token_ids(Tok({"yes": [7]}))
+    assert err.value.status_code == 400 and "'no'" in err.value.message

@@ -4,6 +4,8 @@ Both embed the same sentences with the same model (all-MiniLM-L6-v2 by default),
   - batch 1: one sentence at a time (sentence-transformers `encode([s])`; one HTTP client);
   - 64 concurrent: sentence-transformers `encode(batch_size=64)`; 64 HTTP clients, one sentence
     per request, so the server has to batch them itself.
+The HTTP clients are a bare keep-alive HTTP/1.1 client on asyncio streams (the load generator
+shares the machine's cores with the server, so it should cost as little as wrk would).
 Each measurement is repeated (interleaved) and the best of each side is kept. Prints sentences
 per second and the ratio sluice / sentence-transformers.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import socket
@@ -62,21 +65,51 @@ def start_server(embedding_path: str | None, port: int, extra: list[str]) -> sub
     raise TimeoutError("server did not start")
 
 
-async def serve_rate(base: str, model: str, sentences: list[str], concurrency: int) -> float:
-    queue = list(enumerate(sentences))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+async def post_json(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, path: str, body: dict
+) -> bytes:
+    """One keep-alive HTTP/1.1 POST on an open connection; the response body (status 200 only).
 
-        async def worker() -> None:
+    A bare-bones client (no pooling, no redirects): the load generator shares the two cores
+    with the server, so it should cost as little as a wrk-style tool would."""
+    payload = json.dumps(body).encode()
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    data = await reader.readexactly(length)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
+    return data
+
+
+async def serve_rate(base: str, model: str, sentences: list[str], concurrency: int) -> float:
+    """Sentences per second with `concurrency` clients, each on its own keep-alive connection,
+    one sentence per request (the server has to batch them itself)."""
+    host, port = base.removeprefix("http://").split(":")
+    queue = list(enumerate(sentences))
+
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
             while queue:
                 _, text = queue.pop()
                 body = {"model": model, "input": text, "encoding_format": "base64"}
-                resp = await client.post("/v1/embeddings", json=body)
-                resp.raise_for_status()
+                await post_json(reader, writer, f"{host}:{port}", "/v1/embeddings", body)
+        finally:
+            writer.close()
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return len(sentences) / (time.perf_counter() - start)
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return len(sentences) / (time.perf_counter() - start)
 
 
 def st_rate(st: object, sentences: list[str], batch_size: int) -> float:

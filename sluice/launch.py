@@ -28,6 +28,7 @@ import uvicorn
 from sluice.config import ServerArgs
 from sluice.detokenizer.process import run_detokenizer_process
 from sluice.messages import ReadyMsg
+from sluice.model.encoder_config import EncoderConfig, is_encoder_model, load_encoder_config
 from sluice.scheduler.process import run_scheduler_process
 from sluice.tokenizer.embedding_manager import (
     EncoderManager,
@@ -35,6 +36,7 @@ from sluice.tokenizer.embedding_manager import (
     plan_encoders,
     start_manager,
 )
+from sluice.tokenizer.encoder_frontend import EncoderFrontend
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.utils import ipc
 
@@ -92,18 +94,22 @@ class ServingProcesses:
         except BaseException:
             self._stop_children()
             raise
-        self.tm = TokenizerManager(self.args, cfg, tokenizer, self.addrs, info)
-        self.tm.start()
         for spec, enc_info in zip(self._encoders, self._encoder_infos, strict=True):
             self.embedders.append(start_manager(spec, enc_info))
             self.embedders[-1].start()
+        if isinstance(cfg, EncoderConfig):  # the main model is an encoder: no generation
+            self.tm = EncoderFrontend(self.embedders[0], cfg)
+        else:
+            self.tm = TokenizerManager(self.args, cfg, tokenizer, self.addrs, info)
+            self.tm.start()
+            logger.info(
+                "model %s: context %s tokens, KV pool %s tokens, up to %s running requests, "
+                "%s on %s with %s threads",
+                self.tm.model_name, info["context_len"], info["max_total_tokens"],
+                info["max_running_requests"], info["dtype"], info["device"],
+                info["num_threads"],
+            )  # fmt: skip
         self._watchdog = asyncio.create_task(self._watch())
-        logger.info(
-            "model %s: context %s tokens, KV pool %s tokens, up to %s running requests, "
-            "%s on %s with %s threads",
-            self.tm.model_name, info["context_len"], info["max_total_tokens"],
-            info["max_running_requests"], info["dtype"], info["device"], info["num_threads"],
-        )  # fmt: skip
         return self.tm
 
     async def __aexit__(self, *exc: object) -> None:
@@ -119,23 +125,29 @@ class ServingProcesses:
     # ---- start and stop (blocking) ---------------------------------------------------------
 
     def _start(self) -> tuple[Any, Any, dict[str, Any]]:
+        """(model config, tokenizer, scheduler info) of the main model; for an encoder main
+        model (EncoderConfig) the tokenizer and info are its manager's, made later."""
         from sluice.model.loader import load_model_config
         from sluice.utils.tokenizer import get_tokenizer
 
-        try:
-            cfg = load_model_config(self.args.model_path)  # converts a GGUF once, here
+        path = self.args.model_path
+        main_is_encoder = is_encoder_model(path)
+        try:  # a GGUF is converted once, here
+            cfg = load_encoder_config(path) if main_is_encoder else load_model_config(path)
         except (OSError, ValueError, KeyError) as e:
             raise StartupError(f"cannot load the model: {e}") from e
         ctx = mp.get_context("spawn")
-        self._spawn(ctx, "scheduler", run_scheduler_process, self.args, self.addrs)
-        self._spawn(
-            ctx, "detokenizer", run_detokenizer_process, cfg.hf_dir, self.args.log_level, self.addrs
-        )
+        if not main_is_encoder:
+            self._spawn(ctx, "scheduler", run_scheduler_process, self.args, self.addrs)
+            self._spawn(
+                ctx, "detokenizer", run_detokenizer_process, cfg.hf_dir, self.args.log_level,
+                self.addrs,
+            )  # fmt: skip
         self._spawn_encoders(ctx)
-        tokenizer = get_tokenizer(cfg.hf_dir)  # while the children start
+        tokenizer = None if main_is_encoder else get_tokenizer(cfg.hf_dir)  # while they start
         ready = self._wait_ready()
         self._start_embedders(ready)
-        return cfg, tokenizer, dict(ready["scheduler"].info)
+        return cfg, tokenizer, {} if main_is_encoder else dict(ready["scheduler"].info)
 
     def _spawn_encoders(self, ctx: Any) -> None:
         """One scheduler process per extra encoder model (embedding, rerank)."""
@@ -282,7 +294,8 @@ async def _serve(args: ServerArgs) -> int:
         server = _Server(config)
         from sluice.server.shutdown import GracefulShutdown  # the HTTP layer, only here
 
-        server.on_signal = GracefulShutdown(server, tm, args.shutdown_timeout).on_signal
+        drain = GracefulShutdown(server, tm, args.shutdown_timeout, procs.embedders)
+        server.on_signal = drain.on_signal
         announce = asyncio.create_task(_announce(server, args))
         if procs.failure is None:
             await server.serve()

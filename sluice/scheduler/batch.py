@@ -129,7 +129,9 @@ def _sample_and_append(
     pooled = [i for i, r in enumerate(reqs) if r.pooled is not None]
     if pooled:
         _finish_pooled(sched, [reqs[i] for i in pooled], logits[pooled], hidden, pooled)
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    # a row's sum is finite iff all its logits are (finite logits never add up to inf): one
+    # reduction instead of an elementwise test over [B, vocab]
+    finite = torch.isfinite(logits.sum(dim=-1)).tolist()
     keep = []
     for i, req in enumerate(reqs):
         if req.pooled is not None:

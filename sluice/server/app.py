@@ -165,6 +165,15 @@ def _model_card(ctx: ServingContext, created: int) -> dict[str, Any]:
     }
 
 
+def _silence(owner: Any) -> float:
+    """Seconds since `owner`'s scheduler loop was last heard from; 0 until its first heartbeat
+    (a loop that sends none is not judged)."""
+    last = getattr(owner, "last_scheduler_contact", None)
+    if last is None or not getattr(owner, "heartbeat_seen", False):
+        return 0.0
+    return time.monotonic() - last
+
+
 def _public_args(server_args: Any) -> dict[str, Any]:
     args = dataclasses.asdict(server_args) if dataclasses.is_dataclass(server_args) else {}
     if args.get("api_key"):
@@ -178,7 +187,9 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         cards = [_encoder_card(e, app.state.created) for e in app.state.embedders]
-        return {"object": "list", "data": [_model_card(ctx, app.state.created), *cards]}
+        if getattr(tm, "can_generate", True):
+            cards.insert(0, _model_card(ctx, app.state.created))
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
@@ -200,19 +211,19 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
     @app.get("/health_generate")
     @app.get("/ready")
     async def health_generate() -> Response:
-        """Readiness: not shutting down, and the scheduler was heard from (an output or its
-        heartbeat) within --health-timeout. Sends nothing to the scheduler."""
+        """Readiness: not shutting down, and every model's scheduler loop was heard from (an
+        output or its heartbeat) within --health-timeout. Sends nothing to the schedulers."""
         ctx.check_ready()
         if getattr(tm, "shutting_down", False):
             raise APIError(503, "the server is shutting down", "shutting_down")
-        last = getattr(tm, "last_scheduler_contact", None)
-        judged = last is not None and getattr(tm, "heartbeat_seen", False)
-        age = time.monotonic() - last if judged else 0.0
-        if age > health_timeout:
-            raise APIError(
-                503, f"the scheduler has not been heard from for {age:.1f} s "
-                f"(--health-timeout {health_timeout:g} s)", "server_unhealthy",
-            )  # fmt: skip
+        loops = [(ctx.model_name, tm), *((e.model_name, e) for e in app.state.embedders)]
+        for name, owner in loops:
+            age = _silence(owner)
+            if age > health_timeout:
+                raise APIError(
+                    503, f"the scheduler of '{name}' has not been heard from for {age:.1f} s "
+                    f"(--health-timeout {health_timeout:g} s)", "server_unhealthy",
+                )  # fmt: skip
         return Response(status_code=200)
 
     @app.get("/get_model_info")
@@ -225,7 +236,7 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
             "architecture": getattr(cfg, "architecture", None),
             "context_length": int(tm.context_len),
             "vocab_size": getattr(cfg, "vocab_size", None),
-            "is_generation": True,
+            "is_generation": getattr(tm, "can_generate", True),
         }
 
     @app.get("/get_server_info")
@@ -269,10 +280,15 @@ def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:
-        """Idempotent: an unknown or finished rid is not an error (num_aborted is 0)."""
+        """Idempotent: an unknown or finished rid is not an error (num_aborted is 0).
+        `abort_all` also ends every pooled request (embeddings, scores, rerank) of every model
+        with 499 "request_aborted"; num_aborted counts rids (one per input)."""
         req = await parse_body(request, AbortRequest)
-        num = await tm.abort_request(rid=req.rid, abort_all=req.abort_all)
-        return {"success": True, "num_aborted": int(num or 0)}
+        num = int(await tm.abort_request(rid=req.rid, abort_all=req.abort_all) or 0)
+        if req.abort_all:
+            for encoder in app.state.embedders:
+                num += encoder.abort_all(499, "request_aborted", "the request was aborted")
+        return {"success": True, "num_aborted": num}
 
     @app.post("/open_session")
     async def open_session(request: Request) -> str:

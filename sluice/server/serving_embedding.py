@@ -57,7 +57,10 @@ def pick_model(
             found = next((m for m in models if m.task == kind), None)
             if found is not None:
                 return found
-        raise APIError(400, f"this server serves no model for {task}", "model_not_found", "model")
+        need = " (scoring needs a decoder model)" if task == "score" else ""
+        raise APIError(
+            400, f"this server serves no model for {task}{need}", "model_not_found", "model"
+        )
     found = next((m for m in models if m.model_name == model), None)
     if found is not None and task in found.tasks:
         return found

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from sluice.messages import (
     FinishReason,
     GetInternalStateReq,
     InternalStateReply,
+    SchedulerHeartbeat,
     TokenizedEmbeddingReqInput,
 )
 from sluice.model.encoder_config import default_embedding_model_path, is_encoder_model
@@ -69,17 +71,23 @@ class Encoded:
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    """An extra encoder model of a server: its child name, its args and its sockets."""
+    """An encoder model of a server: its child name, its args and its sockets."""
 
-    name: str  # "embedding" | "rerank": the child process's name in the launcher
-    args: ServerArgs  # the server's args with this model's path
+    name: str  # "encoder" (the main model) | "embedding" | "rerank": the child's name
+    args: ServerArgs  # the server's args (with this model's path, for an extra model)
     addrs: ipc.IpcAddrs  # detokenizer_in == tokenizer_in: the scheduler replies straight here
 
 
 def plan_encoders(args: ServerArgs) -> list[EncoderSpec]:
-    """The extra encoder models `args` asks for; ValueError for a path that is not one."""
-    paths = {"embedding": _embedding_path(args), "rerank": args.rerank_model_path}
-    specs = []
+    """The encoder models `args` asks for, each in its own process: the main model first when
+    `--model-path` is an encoder (then no default embedding model is added), then the extra
+    ones. ValueError for an extra path that is not an encoder."""
+    main_is_encoder = is_encoder_model(args.model_path)
+    specs = [_spec("encoder", args)] if main_is_encoder else []
+    embedding = (
+        None if main_is_encoder and args.embedding_model_path == "auto" else _embedding_path(args)
+    )
+    paths = {"embedding": embedding, "rerank": args.rerank_model_path}
     for name, path in paths.items():
         if path in (None, *NONE_VALUES):
             continue
@@ -88,11 +96,15 @@ def plan_encoders(args: ServerArgs) -> list[EncoderSpec]:
                 f"--{name}-model-path {path!r} is not a supported encoder model directory "
                 "(a BERT config.json)"
             )
-        addrs = ipc.IpcAddrs.create()
-        addrs = dataclasses.replace(addrs, detokenizer_in=addrs.tokenizer_in)
-        child_args = args.replace(model_path=path, served_model_name=None, context_length=0)
-        specs.append(EncoderSpec(name, child_args, addrs))
+        specs.append(
+            _spec(name, args.replace(model_path=path, served_model_name=None, context_length=0))
+        )
     return specs
+
+
+def _spec(name: str, args: ServerArgs) -> EncoderSpec:
+    addrs = ipc.IpcAddrs.create()
+    return EncoderSpec(name, args, dataclasses.replace(addrs, detokenizer_in=addrs.tokenizer_in))
 
 
 def _embedding_path(args: ServerArgs) -> str | None:
@@ -104,9 +116,12 @@ def _embedding_path(args: ServerArgs) -> str | None:
 
 
 def start_manager(spec: EncoderSpec, info: dict[str, Any]) -> EncoderManager:
-    """The manager of a ready encoder child (blocking: loads the tokenizer)."""
+    """The manager of a ready encoder child (blocking: loads the tokenizer). The main model
+    answers to --served-model-name."""
     from sluice.utils.tokenizer import get_tokenizer
 
+    if spec.args.served_model_name:
+        info = {**info, "model_name": spec.args.served_model_name}
     return EncoderManager(get_tokenizer(str(info["hf_dir"])), spec.addrs, info)
 
 
@@ -142,6 +157,7 @@ class EmbeddingManager:
         self.vocab_size = int(info["vocab_size"])
         self.dimensions = int(info["dimensions"])
         self.is_healthy = True
+        self.shutting_down = False  # set by begin_shutdown: new calls get 503
         self.pending: dict[str, asyncio.Future[tuple[bytes, int, FinishReason]]] = {}
         self._send = send
         self._reply_to = reply_to
@@ -162,6 +178,31 @@ class EmbeddingManager:
                 fut.set_exception(_unavailable(message))
         self.pending.clear()
 
+    def begin_shutdown(self) -> None:
+        """Refuse new calls (503 "shutting_down"); those pending go on. The decoder's manager
+        is gated by its owner's `admit` instead, which counts the refusal."""
+        self.shutting_down = True
+
+    def abort_all(self, status: int, code: str, message: str, reason: str = "client") -> int:
+        """End every pending call now: its futures raise RequestError(message, status, code),
+        and the scheduler gets AbortReqs (`reason`: "client" | "shutdown") for their rids.
+        Returns the number of rids ended (0: nothing sent)."""
+        rids = list(self.pending)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(RequestError(message, status_code=status, code=code))
+        self.pending.clear()
+        if rids and self.is_healthy:
+            self._send_aborts(rids, reason)
+        return len(rids)
+
+    def _send_aborts(self, rids: list[str], reason: str) -> None:
+        if self.is_decoder:  # its scheduler's abort_all would end generation requests too
+            for rid in rids:
+                self._send(AbortReq(rid=rid, reason=reason))
+        else:  # an encoder's scheduler holds this manager's requests only
+            self._send(AbortReq(abort_all=True, reason=reason))
+
     # ---- requests -------------------------------------------------------------------------
 
     async def embed(
@@ -170,7 +211,7 @@ class EmbeddingManager:
         """One float32 vector per input, in order, and the number of prompt tokens."""
         if not inputs:
             raise RequestError("input must not be empty", param="input")
-        encoded = await self._run(self._encode_inputs, inputs, truncate, "input")
+        encoded = await self.in_tokenizer_thread(self._encode_inputs, inputs, truncate, "input")
         return await self.run(encoded)
 
     async def score_labels(
@@ -184,13 +225,13 @@ class EmbeddingManager:
                 param="model",
             )
         self._validate_labels(label_token_ids)
-        encoded = await self._run(self._encode_inputs, prompts, None, param)
+        encoded = await self.in_tokenizer_thread(self._encode_inputs, prompts, None, param)
         return await self.run(encoded, list(label_token_ids), param)
 
     async def score_pairs(self, query: str, documents: list[str]) -> tuple[list[float], int]:
         """A cross-encoder's score of (query, document) for each document; documents that do
         not fit the context with the query are truncated."""
-        encoded = await self._run(self._encode_pairs, query, documents)
+        encoded = await self.in_tokenizer_thread(self._encode_pairs, query, documents)
         vectors, num_tokens = await self.run(encoded)
         return [float(v[0] if len(v) == 1 else v[-1]) for v in vectors], num_tokens
 
@@ -201,6 +242,7 @@ class EmbeddingManager:
         param: str = "input",
     ) -> tuple[list[np.ndarray], int]:
         self._check_healthy()
+        self._check_accepting()
         for e in encoded:
             self._validate(e.input_ids, param)
         if self._admit is not None:
@@ -318,12 +360,17 @@ class EmbeddingManager:
             if fut is not None and not fut.done():
                 fut.set_result((data, num, reason))
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
+    async def in_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the one thread that may use this manager's tokenizer."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _check_healthy(self) -> None:
         if not self.is_healthy:
             raise _unavailable("the server is shutting down after a process failure")
+
+    def _check_accepting(self) -> None:
+        if self.shutting_down:
+            raise RequestError("the server is shutting down", status_code=503, code="shutting_down")
 
     def shutdown_executor(self) -> None:
         if self._owns_executor:
@@ -340,6 +387,9 @@ class EncoderManager(EmbeddingManager):
         self._recv_sock = ipc.pull_socket(self._ctx, addrs.tokenizer_in)
         self._state_waiters: deque[asyncio.Future[InternalStateReply]] = deque()
         self._loop_task: asyncio.Task[None] | None = None
+        # readiness, judged like the decoder's: when the encoder loop was last heard from
+        self.last_scheduler_contact = time.monotonic()
+        self.heartbeat_seen = False
         super().__init__(tokenizer, info, self._send_to_scheduler, addrs.tokenizer_in)
 
     def _send_to_scheduler(self, msg: Any) -> None:
@@ -373,7 +423,10 @@ class EncoderManager(EmbeddingManager):
                 logger.exception("failed to handle a message from the encoder")
 
     def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, BatchEmbeddingOutput):
+        self.last_scheduler_contact = time.monotonic()
+        if isinstance(msg, SchedulerHeartbeat):
+            self.heartbeat_seen = True
+        elif isinstance(msg, BatchEmbeddingOutput):
             self.on_output(msg)
         elif isinstance(msg, InternalStateReply):
             if self._state_waiters:

@@ -339,7 +339,7 @@ class TokenizerManager:
         """Abort one request (its rid, or the rid the client gave a batch / n > 1 request) or
         all, in any phase; each finishes at once with finish_reason type "abort" and the
         output it had. Idempotent: an unknown or finished rid is ignored. Returns how many
-        rids were aborted."""
+        rids were aborted. `abort_all` ends the decoder's pooled requests too (499)."""
         if not abort_all and not rid:
             raise RequestError("give a rid or abort_all", param="rid")
         states = [s for s in self.rid_to_state.values() if abort_all or rid in (s.rid, s.group_rid)]
@@ -350,23 +350,29 @@ class TokenizerManager:
         for state in states:
             self.counters.count_abort("abort_request")
             self._finish_here(state, reason, "client")
-        return len(states)
+        if not abort_all:
+            return len(states)
+        pooled = self.embedding_manager.abort_all(499, "request_aborted", "the request was aborted")
+        return len(states) + pooled
 
     def begin_shutdown(self) -> None:
-        """Refuse new requests (503); those in flight go on."""
+        """Refuse new requests, generation and pooled (`_admit_pooled`), with 503; those in
+        flight go on."""
         self.shutting_down = True
 
     def abort_all_for_shutdown(self) -> int:
-        """End every live rid with a 503 "shutdown" abort (the drain ran out of time)."""
-        reason = FinishReason(
-            type="abort", message="the server is shutting down and the request did not finish "
-            "within the shutdown timeout", status_code=503, code="shutdown",
-        )  # fmt: skip
+        """End every live rid, generation and pooled, with a 503 "shutdown" abort (the drain
+        ran out of time)."""
+        message = (
+            "the server is shutting down and the request did not finish within the shutdown timeout"
+        )
+        reason = FinishReason(type="abort", message=message, status_code=503, code="shutdown")
         states = list(self.rid_to_state.values())
         for state in states:
             self.counters.count_abort("shutdown")
             self._finish_here(state, reason, "shutdown")
-        return len(states)
+        pooled = self.embedding_manager.abort_all(503, "shutdown", message, reason="shutdown")
+        return len(states) + pooled
 
     def _finish_here(self, state: ReqState, reason: FinishReason, cause: str) -> None:
         state.finish(reason)

@@ -1,0 +1,145 @@
+"""EmbeddingManager without processes: a `send` that records the messages, outputs handed in
+by the test. Covers ending every pending call at once (`abort_all`) and refusing new calls
+while shutting down."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sluice.messages import (
+    AbortReq,
+    BatchEmbeddingOutput,
+    BatchTokenizedEmbeddingReqInput,
+    FinishReason,
+    TokenizedEmbeddingReqInput,
+)
+from sluice.tokenizer.embedding_manager import EmbeddingManager, Encoded
+from sluice.tokenizer.normalize import RequestError
+
+ENCODED = [Encoded([1, 2, 3]), Encoded([4, 5])]
+
+
+def make_manager(task: str) -> tuple[EmbeddingManager, list[Any]]:
+    sent: list[Any] = []
+    info = {"model_name": "m", "task": task, "context_len": 16, "vocab_size": 32, "dimensions": 2}
+    return EmbeddingManager(None, info, sent.append, reply_to="ipc://test"), sent
+
+
+def sent_rids(sent: list[Any]) -> list[str]:
+    """The rids of the embedding requests among `sent`, in order."""
+    rids = []
+    for msg in sent:
+        if isinstance(msg, BatchTokenizedEmbeddingReqInput):
+            rids += [r.rid for r in msg.reqs]
+        elif isinstance(msg, TokenizedEmbeddingReqInput):
+            rids.append(msg.rid)
+    return rids
+
+
+async def start_calls(manager: EmbeddingManager, num: int) -> list[asyncio.Task[Any]]:
+    """`num` calls of ENCODED, each sent and pending when this returns."""
+    tasks = [asyncio.create_task(manager.run(ENCODED)) for _ in range(num)]
+    await asyncio.sleep(0)
+    assert len(manager.pending) == num * len(ENCODED)
+    return tasks
+
+
+def output(rids: list[str], vec: bytes, reason: FinishReason) -> BatchEmbeddingOutput:
+    """The scheduler's answer to `rids` (each with `vec` and 3 prompt tokens)."""
+    n = len(rids)
+    return BatchEmbeddingOutput(rids, [vec] * n, [3] * n, [reason] * n, ["ipc://test"] * n)
+
+
+async def results(tasks: list[asyncio.Task[Any]]) -> list[Any]:
+    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+
+
+def test_encoder_abort_all_ends_every_call_and_sends_one_abort_all() -> None:
+    async def go() -> None:
+        manager, sent = make_manager("embed")
+        tasks = await start_calls(manager, 3)
+        num_sent = len(sent)
+        assert manager.abort_all(499, "request_aborted", "the request was aborted") == 6
+        errors = await results(tasks)
+        for err in errors:
+            assert isinstance(err, RequestError)
+            assert (err.status_code, err.code) == (499, "request_aborted")
+        assert sent[num_sent:] == [AbortReq(abort_all=True, reason="client")]
+        assert manager.pending == {}
+        assert manager.abort_all(499, "request_aborted", "again") == 0
+        assert len(sent) == num_sent + 1  # nothing pending: nothing sent
+
+    asyncio.run(go())
+
+
+def test_decoder_abort_all_aborts_its_own_rids_only() -> None:
+    """The decoder's scheduler also runs generation requests: no abort_all=True there."""
+
+    async def go() -> None:
+        manager, sent = make_manager("generate")
+        tasks = await start_calls(manager, 2)
+        rids = sent_rids(sent)
+        num_sent = len(sent)
+        assert manager.abort_all(503, "shutdown", "shutting down", reason="shutdown") == 4
+        for err in await results(tasks):
+            assert isinstance(err, RequestError)
+            assert (err.status_code, err.code, err.message) == (503, "shutdown", "shutting down")
+        assert sent[num_sent:] == [AbortReq(rid=rid, reason="shutdown") for rid in rids]
+
+    asyncio.run(go())
+
+
+def test_output_after_abort_all_is_dropped_and_later_calls_work() -> None:
+    async def go() -> None:
+        manager, sent = make_manager("embed")
+        tasks = await start_calls(manager, 1)
+        manager.abort_all(499, "request_aborted", "aborted")
+        await results(tasks)
+        aborted = FinishReason(type="abort", status_code=499, code="request_aborted")
+        late = sent_rids(sent)
+        manager.on_output(output(late, b"", aborted))
+        assert manager.pending == {}
+        task = asyncio.create_task(manager.run(ENCODED))
+        await asyncio.sleep(0)
+        rids = list(manager.pending)
+        vec = np.array([1.0, 2.0], dtype="<f4").tobytes()
+        manager.on_output(output(rids, vec, FinishReason(type="stop")))
+        vectors, num_tokens = await asyncio.wait_for(task, 5)
+        assert num_tokens == 6 and [v.tolist() for v in vectors] == [[1.0, 2.0]] * 2
+
+    asyncio.run(go())
+
+
+def test_unhealthy_manager_ends_calls_but_sends_nothing() -> None:
+    async def go() -> None:
+        manager, sent = make_manager("embed")
+        tasks = await start_calls(manager, 1)
+        manager.is_healthy = False  # the scheduler is gone: nobody to tell
+        num_sent = len(sent)
+        assert manager.abort_all(499, "request_aborted", "aborted") == 2
+        assert all(isinstance(e, RequestError) for e in await results(tasks))
+        assert len(sent) == num_sent
+
+    asyncio.run(go())
+
+
+def test_shutting_down_refuses_new_calls_and_lets_pending_ones_finish() -> None:
+    async def go() -> None:
+        manager, sent = make_manager("embed")
+        tasks = await start_calls(manager, 1)
+        num_sent = len(sent)
+        manager.begin_shutdown()
+        with pytest.raises(RequestError) as info:
+            await manager.run(ENCODED)
+        assert (info.value.status_code, info.value.code) == (503, "shutting_down")
+        assert len(sent) == num_sent and len(manager.pending) == 2
+        vec = np.zeros(2, dtype="<f4").tobytes()
+        manager.on_output(output(list(manager.pending), vec, FinishReason(type="stop")))
+        [(vectors, num_tokens)] = await results(tasks)
+        assert len(vectors) == 2 and num_tokens == 6
+
+    asyncio.run(go())

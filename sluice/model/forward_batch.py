@@ -29,6 +29,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64, KV slot each new token writes
     kv_indices: torch.Tensor  # [B, max_kv] int64, slots each request reads (0-padded)
+    seq_lens: torch.Tensor  # [B] int64, tokens each request attends to (prefix + extend)
     attn_mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool; None: no padding at all
     max_q: int
     q_pad_index: torch.Tensor | None  # [B * max_q] -> index into T (EXTEND only)
@@ -88,6 +89,7 @@ class ForwardBatch:
             positions=positions.to(device),
             out_cache_loc=out_cache_loc.to(device),
             kv_indices=kv_indices.to(device),
+            seq_lens=seq_t.to(device),
             attn_mask=None if attn_mask is None else attn_mask.to(device),
             max_q=max_q,
             q_pad_index=None if q_pad is None else q_pad.to(device),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +97,11 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -126,13 +131,18 @@ def pack_linears(model: nn.Module) -> int:
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the pool, then attends over each request's slots."""
+    """Writes this step's K/V into the pool, then attends over each request's slots.
+
+    A decode step on CPU runs sluice's C++ kernel (`decode_op`), which reads each request's K/V
+    rows in place; everything else (and CUDA) gathers the slots and runs PyTorch's SDPA."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        # sluice.model.kernels.decode_attention() on CPU (set by the runner), else None
+        self.decode_op: Any | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, kv: KVCache
@@ -144,6 +154,12 @@ class PagedAttention(nn.Module):
             qp, kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             out = self._sdpa(qp, kp, vp, None, causal=True)
             return out.squeeze(0).transpose(0, 1).reshape(-1, h * d)
+        if fb.mode == ForwardMode.DECODE and self.decode_op is not None:  # reads the pool in place
+            k_pool, v_pool = kv.k[self.layer_id], kv.v[self.layer_id]  # [slots, Hkv, D]
+            out = self.decode_op(
+                q.contiguous(), k_pool, v_pool, fb.kv_indices, fb.seq_lens, self.scale
+            )  # [B, H, D]
+            return out.reshape(bs, h * d)
         k_all, v_all = kv.gather(self.layer_id, fb.kv_indices)  # [B, max_kv, Hkv, D]
         kp, vp = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, Hkv, max_kv, D]
         if fb.mode == ForwardMode.DECODE:
@@ -155,6 +171,11 @@ class PagedAttention(nn.Module):
         return out[fb.q_unpad_index]
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        # on CPU in float32: PyTorch's bfloat16 CPU attention is several times slower than the
+        # casts plus float32 attention (measured 122 vs 31 ms per decode step of SmolLM2 at 64)
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            out = self._sdpa(q.float(), k.float(), v.float(), mask, causal)
+            return out.to(q.dtype)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,

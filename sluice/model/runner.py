@@ -10,10 +10,11 @@ import logging
 import time
 
 import torch
+from torch import nn
 
 from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.kv_cache import KVCache
-from sluice.model.layers import can_pack_linears, pack_linears
+from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
 from sluice.model.model_config import ModelConfig
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
@@ -85,12 +86,24 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     num_params = sum(p.numel() for p in model.parameters())
     if can_pack_linears(device, dtype):
         pack_linears(model)
+    if device.type == "cpu":
+        _use_decode_kernel(model)
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",
         cfg.model_name, cfg.architecture, num_params / 1e6, str(dtype).removeprefix("torch."),
         device, time.perf_counter() - start,
     )  # fmt: skip
     return model
+
+
+def _use_decode_kernel(model: nn.Module) -> None:
+    """Hand sluice's C++ decode-attention op (None when it cannot be built) to every layer."""
+    from sluice.model.kernels import decode_attention
+
+    op = decode_attention()
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.decode_op = op
 
 
 def _init_buffers(model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device) -> None:

@@ -24,6 +24,9 @@ ENV_VARS: dict[str, EnvVar] = {
     "SLUICE_CACHE_DIR": EnvVar(
         "~/.cache/sluice", "where converted models and other derived files are cached"
     ),
+    "SLUICE_CPU_KERNELS": EnvVar(
+        "1", "build and use sluice's C++ CPU kernels (decode attention); 0: PyTorch ops only"
+    ),
 }
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -3,7 +3,9 @@
 Every request is prefill-only and finishes in the step that runs it, so there is no running
 batch and no KV cache: a waiting queue, and one forward per step over as many waiting requests
 (first come, first served) as fit the token budget, counted as the padded batch the model runs
-(requests × longest input). A request alone is always admitted, whatever its length.
+(requests × longest input). A request alone is always admitted, whatever its length. A request
+that waits longer than --waiting-timeout or --running-timeout (the shorter) ends with the same
+503 `timeout` finish as a generation request.
 
 Ownership: a request is in `waiting` from intake until the step that runs it or its abort; its
 result (or its abort) goes into `outputs`, emitted by the next `step()` as one
@@ -26,6 +28,7 @@ from sluice.messages import (
     InternalState,
     TokenizedEmbeddingReqInput,
 )
+from sluice.scheduler.timeouts import RUNNING, WAITING, timeout_reason
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +47,19 @@ class EncoderScheduler:
         context_len: int,
         max_batch_tokens: int,
         max_batch_reqs: int,
+        waiting_timeout: float = 0.0,
+        running_timeout: float = 0.0,
     ) -> None:
         self.runner = runner
         self.vocab_size, self.context_len = vocab_size, context_len
         self.max_batch_tokens, self.max_batch_reqs = max_batch_tokens, max_batch_reqs
+        self.timeout = _queue_timeout(waiting_timeout, running_timeout)  # (kind, limit) | None
         self.waiting: deque[TokenizedEmbeddingReqInput] = deque()
+        self.arrivals: deque[float] = deque()  # parallel to `waiting`: monotonic intake times
         self.outputs: list[tuple[TokenizedEmbeddingReqInput, bytes, FinishReason]] = []
         self.last_heartbeat = time.monotonic()
         self.num_forward_steps = 0
+        self.num_timeouts = 0
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -61,6 +69,7 @@ class EncoderScheduler:
             self._finish(msg, b"", _abort(error, 400, "invalid_request"))
             return
         self.waiting.append(msg)
+        self.arrivals.append(time.monotonic())
 
     def _validate(self, msg: TokenizedEmbeddingReqInput) -> str | None:
         ids = msg.input_ids
@@ -82,17 +91,20 @@ class EncoderScheduler:
         """Waiting requests end with an abort; a request already run has nothing to abort."""
         reason = _abort("the request was aborted", 499, "request_aborted")
         keep: deque[TokenizedEmbeddingReqInput] = deque()
-        for req in self.waiting:
+        keep_arrivals: deque[float] = deque()
+        for req, arrival in zip(self.waiting, self.arrivals, strict=True):
             if msg.abort_all or req.rid == msg.rid:
                 self._finish(req, b"", reason)
             else:
                 keep.append(req)
-        self.waiting = keep
+                keep_arrivals.append(arrival)
+        self.waiting, self.arrivals = keep, keep_arrivals
 
     # ---- the loop -----------------------------------------------------------------------
 
     def step(self) -> BatchEmbeddingOutput | None:
-        self.last_heartbeat = time.monotonic()
+        self.last_heartbeat = now = time.monotonic()
+        self._expire(now)
         batch = self._take_batch()
         if batch:
             self._run(batch)
@@ -112,8 +124,20 @@ class EncoderScheduler:
             if batch and longest_with * (len(batch) + 1) > self.max_batch_tokens:
                 break
             batch.append(self.waiting.popleft())
+            self.arrivals.popleft()
             longest = longest_with
         return batch
+
+    def _expire(self, now: float) -> None:
+        """End the requests that waited past the timeout (the oldest are first in line). A
+        request runs in one forward, so waiting is all of its life that a timeout can cut."""
+        if self.timeout is None:
+            return
+        kind, limit = self.timeout
+        while self.arrivals and now - self.arrivals[0] > limit:
+            self.arrivals.popleft()
+            self._finish(self.waiting.popleft(), b"", timeout_reason(kind, limit))
+            self.num_timeouts += 1
 
     def _run(self, batch: list[TokenizedEmbeddingReqInput]) -> None:
         """One forward; a failing forward ends the batch's requests with a 500, not the process."""
@@ -158,6 +182,15 @@ class EncoderScheduler:
 
     def flush_cache(self) -> bool:
         return True  # nothing is cached
+
+
+def _queue_timeout(waiting: float, running: float) -> tuple[str, float] | None:
+    """The timeout that applies to a queued encoder request: the shorter of the two set."""
+    set_ = [(limit, kind) for kind, limit in ((WAITING, waiting), (RUNNING, running)) if limit > 0]
+    if not set_:
+        return None
+    limit, kind = min(set_)
+    return kind, limit
 
 
 def _abort(message: str, status_code: int, code: str) -> FinishReason:

@@ -72,8 +72,9 @@ class EncoderLoop:
         runner = EncoderRunner(cfg, device, dtype)
         max_batch_reqs = args.max_running_requests or 256
         self.scheduler = EncoderScheduler(
-            runner, cfg.vocab_size, context_len, args.max_prefill_tokens, max_batch_reqs
-        )
+            runner, cfg.vocab_size, context_len, args.max_prefill_tokens, max_batch_reqs,
+            waiting_timeout=args.waiting_timeout, running_timeout=args.running_timeout,
+        )  # fmt: skip
         self._info: dict[str, int | float | str] = {
             "model_name": cfg.model_name, "hf_dir": cfg.hf_dir, "context_len": context_len,
             "max_total_tokens": 0, "max_running_requests": max_batch_reqs,

@@ -46,7 +46,7 @@ from sluice.messages import (
     TokenizedEmbeddingReqInput,
 )
 from sluice.model.encoder_config import default_embedding_model_path, is_encoder_model
-from sluice.tokenizer.normalize import RequestError
+from sluice.tokenizer.normalize import RequestError, queue_full_error
 from sluice.utils import ipc
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ def start_manager(spec: EncoderSpec, info: dict[str, Any]) -> EncoderManager:
 
     if spec.args.served_model_name:
         info = {**info, "model_name": spec.args.served_model_name}
-    return EncoderManager(get_tokenizer(str(info["hf_dir"])), spec.addrs, info)
+    tokenizer = get_tokenizer(str(info["hf_dir"]))
+    return EncoderManager(tokenizer, spec.addrs, info, spec.args.max_queued_requests)
 
 
 def decoder_info(
@@ -381,7 +382,9 @@ class EncoderManager(EmbeddingManager):
     """An extra encoder model's manager: it owns the sockets to its scheduler process and the
     loop that receives from it."""
 
-    def __init__(self, tokenizer: Any, addrs: ipc.IpcAddrs, info: dict[str, Any]) -> None:
+    def __init__(
+        self, tokenizer: Any, addrs: ipc.IpcAddrs, info: dict[str, Any], max_queued: int = 0
+    ) -> None:
         self._ctx = zmq.asyncio.Context()
         self._to_scheduler = ipc.push_socket(zmq.Context.shadow(self._ctx), addrs.scheduler_in)
         self._recv_sock = ipc.pull_socket(self._ctx, addrs.tokenizer_in)
@@ -390,7 +393,16 @@ class EncoderManager(EmbeddingManager):
         # readiness, judged like the decoder's: when the encoder loop was last heard from
         self.last_scheduler_contact = time.monotonic()
         self.heartbeat_seen = False
-        super().__init__(tokenizer, info, self._send_to_scheduler, addrs.tokenizer_in)
+        # --max-queued-requests: beyond the batch the encoder runs at once plus this, a 429
+        self._max_running, self._max_queued = int(info.get("max_running_requests", 0)), max_queued
+        super().__init__(
+            tokenizer, info, self._send_to_scheduler, addrs.tokenizer_in, admit=self._admit_queued
+        )
+
+    def _admit_queued(self, num_reqs: int) -> None:
+        err = queue_full_error(len(self.pending), num_reqs, self._max_running, self._max_queued)
+        if err is not None:
+            raise err
 
     def _send_to_scheduler(self, msg: Any) -> None:
         ipc.send(self._to_scheduler, msg)

@@ -61,7 +61,7 @@ from sluice.tokenizer import chat
 from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.embedding_manager import EmbeddingManager, decoder_info
 from sluice.tokenizer.generate_input import GenerateReqInput
-from sluice.tokenizer.normalize import Item, RequestError, normalize
+from sluice.tokenizer.normalize import Item, RequestError, normalize, queue_full_error
 from sluice.tokenizer.req_state import ReqState, merge_update, output_dict
 from sluice.utils import ipc
 
@@ -70,7 +70,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ReqState", "RequestError", "TokenizerManager"]
 
 CONTROL_TIMEOUT_S = 60.0
-RETRY_AFTER_S = 1  # the Retry-After of a 429
 
 
 class TokenizerManager:
@@ -197,20 +196,14 @@ class TokenizerManager:
         self._check_admission(num_reqs)
 
     def _check_admission(self, num_items: int) -> None:
-        limit = self.args.max_queued_requests
-        if limit <= 0:
-            return
         in_flight = (
             len(self.rid_to_state) + len(self.awaiting_echo) + len(self.embedding_manager.pending)
         )
-        if in_flight + num_items > self.max_running_requests + limit:
+        err = queue_full_error(
+            in_flight, num_items, self.max_running_requests, self.args.max_queued_requests
+        )
+        if err is not None:
             self.counters.rejected["queue_full"] += 1
-            err = RequestError(
-                f"the server is at capacity ({in_flight} requests in flight, up to "
-                f"{self.max_running_requests} running and {limit} queued); retry later",
-                status_code=429, code="queue_full",
-            )  # fmt: skip
-            err.headers = {"Retry-After": str(RETRY_AFTER_S)}  # type: ignore[attr-defined]
             raise err
 
     def _register(self, items: list[Item], obj: GenerateReqInput) -> list[ReqState]:

@@ -50,6 +50,25 @@ class RequestError(Exception):
         self.param = param
 
 
+RETRY_AFTER_S = 1  # the Retry-After of a 429
+
+
+def queue_full_error(
+    in_flight: int, num_new: int, max_running: int, max_queued: int
+) -> RequestError | None:
+    """The 429 (`queue_full`, with Retry-After) for `num_new` more requests when that would pass
+    `max_running` running plus `max_queued` queued; None when they fit or there is no limit."""
+    if max_queued <= 0 or in_flight + num_new <= max_running + max_queued:
+        return None
+    err = RequestError(
+        f"the server is at capacity ({in_flight} requests in flight, up to {max_running} "
+        f"running and {max_queued} queued); retry later",
+        status_code=429, code="queue_full",
+    )  # fmt: skip
+    err.headers = {"Retry-After": str(RETRY_AFTER_S)}  # type: ignore[attr-defined]
+    return err
+
+
 @dataclass
 class Item:
     """One (prompt, sample) of a GenerateReqInput; `prompt` is text or token ids."""

@@ -112,3 +112,23 @@ def test_label_token_ids_need_a_decoder_model() -> None:
     assert (out.rids, reason.status_code, reason.code) == (["s"], 400, "invalid_request")
     assert "label-token scoring needs a decoder model" in reason.message
     assert out.embeddings == [b""] and enc.batches == []
+
+
+def test_requests_that_wait_past_the_timeout_end_with_503(monkeypatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("sluice.scheduler.encoder.time.monotonic", lambda: clock[0])
+    enc = FakeEncoder()
+    s = EncoderScheduler(
+        enc, vocab_size=100, context_len=32, max_batch_tokens=20, max_batch_reqs=8,
+        waiting_timeout=5.0, running_timeout=3.0,
+    )  # fmt: skip
+    s.add_request(_req("old", 10))
+    clock[0] += 2.0
+    s.add_request(_req("young", 10))
+    clock[0] += 1.5  # "old" waited 3.5 s > the shorter timeout (running, 3 s); "young" 1.5 s
+    out = s.step()
+    reasons = dict(zip(out.rids, out.finished_reasons, strict=True))
+    assert reasons["old"].type == "abort" and reasons["old"].status_code == 503
+    assert reasons["old"].code == "timeout" and "3 s" in reasons["old"].message
+    assert reasons["young"].type == "length" and enc.batches == [1]
+    assert s.num_timeouts == 1 and s.is_idle() and not s.arrivals

@@ -143,3 +143,28 @@ def test_shutting_down_refuses_new_calls_and_lets_pending_ones_finish() -> None:
         assert len(vectors) == 2 and num_tokens == 6
 
     asyncio.run(go())
+
+
+def test_an_encoder_model_refuses_past_max_queued_requests_with_429() -> None:
+    from sluice.tokenizer.embedding_manager import EncoderManager
+    from sluice.utils import ipc
+
+    async def go() -> None:
+        addrs = ipc.IpcAddrs.create()
+        info = {"model_name": "m", "task": "embed", "context_len": 16, "vocab_size": 32,
+                "dimensions": 2, "max_running_requests": 3}  # fmt: skip
+        manager = EncoderManager(None, addrs, info, max_queued=1)
+        try:
+            tasks = await start_calls(manager, 2)  # 4 in flight = 3 running + 1 queued: fits
+            with pytest.raises(RequestError) as refused:
+                await manager.run(ENCODED[:1])
+            err = refused.value
+            assert (err.status_code, err.code) == (429, "queue_full")
+            assert err.headers == {"Retry-After": "1"} and "4 requests in flight" in err.message
+            manager.abort_all(499, "request_aborted", "done")
+            await results(tasks)
+        finally:
+            await manager.close()
+            addrs.remove()
+
+    asyncio.run(go())

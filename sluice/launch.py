@@ -94,6 +94,15 @@ class ServingProcesses:
         except BaseException:
             self._stop_children()
             raise
+        try:
+            self._start_managers(cfg, tokenizer, info)
+        except BaseException:
+            await self.__aexit__()
+            raise
+        self._watchdog = asyncio.create_task(self._watch())
+        return self.tm
+
+    def _start_managers(self, cfg: Any, tokenizer: Any, info: dict[str, Any]) -> None:
         for spec, enc_info in zip(self._encoders, self._encoder_infos, strict=True):
             self.embedders.append(start_manager(spec, enc_info))
             self.embedders[-1].start()
@@ -109,8 +118,6 @@ class ServingProcesses:
                 info["max_running_requests"], info["dtype"], info["device"],
                 info["num_threads"],
             )  # fmt: skip
-        self._watchdog = asyncio.create_task(self._watch())
-        return self.tm
 
     async def __aexit__(self, *exc: object) -> None:
         if self._watchdog is not None:

@@ -86,7 +86,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     num_params = sum(p.numel() for p in model.parameters())
     if can_pack_linears(device, dtype):
         pack_linears(model)
-    if device.type == "cpu":
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):  # what the kernel takes
         _use_decode_kernel(model)
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",

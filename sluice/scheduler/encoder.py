@@ -55,7 +55,10 @@ class EncoderScheduler:
         self.max_batch_tokens, self.max_batch_reqs = max_batch_tokens, max_batch_reqs
         self.timeout = _queue_timeout(waiting_timeout, running_timeout)  # (kind, limit) | None
         self.waiting: deque[TokenizedEmbeddingReqInput] = deque()
+        self.waiting_rids: set[str] = set()  # the rids in `waiting`
         self.arrivals: deque[float] = deque()  # parallel to `waiting`: monotonic intake times
+        self.to_abort: set[str] = set()  # rids marked by AbortReq, ended at the next step
+        self.abort_all = False
         self.outputs: list[tuple[TokenizedEmbeddingReqInput, bytes, FinishReason]] = []
         self.last_heartbeat = time.monotonic()
         self.num_forward_steps = 0
@@ -69,6 +72,7 @@ class EncoderScheduler:
             self._finish(msg, b"", _abort(error, 400, "invalid_request"))
             return
         self.waiting.append(msg)
+        self.waiting_rids.add(msg.rid)
         self.arrivals.append(time.monotonic())
 
     def _validate(self, msg: TokenizedEmbeddingReqInput) -> str | None:
@@ -83,27 +87,41 @@ class EncoderScheduler:
             return f"the input has {len(ids)} tokens; this model takes at most {self.context_len}"
         if msg.token_type_ids is not None and len(msg.token_type_ids) != len(ids):
             return "token_type_ids and input_ids differ in length"
-        if any(r.rid == msg.rid for r in self.waiting):
+        if msg.rid in self.waiting_rids:
             return f"a request with rid {msg.rid!r} is already waiting"
         return None
 
     def abort(self, msg: AbortReq) -> None:
-        """Waiting requests end with an abort; a request already run has nothing to abort."""
+        """End waiting requests with an abort: all of them now for abort_all; a rid at the start
+        of the next step (a call of many inputs that ends early sends one AbortReq per input:
+        the queue is filtered once for all of them). A request already run has nothing to abort."""
+        if msg.abort_all:  # now: it is about what is waiting now, not what comes next
+            self.abort_all = True
+            self._process_aborts()
+        else:
+            self.to_abort.add(msg.rid)
+
+    def _process_aborts(self) -> None:
+        if not (self.abort_all or self.to_abort):
+            return
         reason = _abort("the request was aborted", 499, "request_aborted")
         keep: deque[TokenizedEmbeddingReqInput] = deque()
         keep_arrivals: deque[float] = deque()
         for req, arrival in zip(self.waiting, self.arrivals, strict=True):
-            if msg.abort_all or req.rid == msg.rid:
+            if self.abort_all or req.rid in self.to_abort:
                 self._finish(req, b"", reason)
             else:
                 keep.append(req)
                 keep_arrivals.append(arrival)
         self.waiting, self.arrivals = keep, keep_arrivals
+        self.waiting_rids = {r.rid for r in keep}
+        self.abort_all, self.to_abort = False, set()
 
     # ---- the loop -----------------------------------------------------------------------
 
     def step(self) -> BatchEmbeddingOutput | None:
         self.last_heartbeat = now = time.monotonic()
+        self._process_aborts()
         self._expire(now)
         batch = self._take_batch()
         if batch:
@@ -111,7 +129,7 @@ class EncoderScheduler:
         return self._take_outputs()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.outputs)
+        return bool(self.waiting or self.outputs or self.to_abort or self.abort_all)
 
     def is_idle(self) -> bool:
         return not self.waiting
@@ -124,6 +142,7 @@ class EncoderScheduler:
             if batch and longest_with * (len(batch) + 1) > self.max_batch_tokens:
                 break
             batch.append(self.waiting.popleft())
+            self.waiting_rids.discard(batch[-1].rid)
             self.arrivals.popleft()
             longest = longest_with
         return batch
@@ -136,7 +155,9 @@ class EncoderScheduler:
         kind, limit = self.timeout
         while self.arrivals and now - self.arrivals[0] > limit:
             self.arrivals.popleft()
-            self._finish(self.waiting.popleft(), b"", timeout_reason(kind, limit))
+            req = self.waiting.popleft()
+            self.waiting_rids.discard(req.rid)
+            self._finish(req, b"", timeout_reason(kind, limit))
             self.num_timeouts += 1
 
     def _run(self, batch: list[TokenizedEmbeddingReqInput]) -> None:

@@ -55,6 +55,35 @@ def rerank_prompt(tokenizer: Any, query: str, document: str) -> str:
     return chat.apply_chat_template(tokenizer, messages, add_generation_prompt=True)
 
 
+def rerank_prompt_ids(
+    tokenizer: Any, query: str, documents: list[str], context_len: int
+) -> list[list[int]]:
+    """The token ids of each document's rerank prompt (the template already holds any BOS), the
+    document cut to fit `context_len`; a query too long to leave room for any is a 400. Runs in
+    the tokenizer thread."""
+
+    def encode(document: str) -> list[int]:
+        text = rerank_prompt(tokenizer, query, document)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    room = context_len - len(encode(""))
+    if room <= 0:
+        raise APIError(
+            400, f"the query does not fit this model's context of {context_len} tokens",
+            "context_length_exceeded", "query",
+        )  # fmt: skip
+    prompts = []
+    for document in documents:
+        doc_ids = tokenizer.encode(document, add_special_tokens=False)
+        keep = min(len(doc_ids), room)
+        prompt = encode(document if keep == len(doc_ids) else tokenizer.decode(doc_ids[:keep]))
+        while len(prompt) > context_len and keep > 0:  # the cut text may tokenize longer
+            keep = max(keep - (len(prompt) - context_len), 0)
+            prompt = encode(tokenizer.decode(doc_ids[:keep]))
+        prompts.append(prompt)
+    return prompts
+
+
 def yes_no_token_ids(tokenizer: Any) -> list[int]:
     """The single-token ids of "yes" and "no" (or " yes" and " no") in `tokenizer`."""
     ids = []
@@ -133,7 +162,9 @@ class ServingRerank:
         if isinstance(self._yes_no, APIError):
             raise self._yes_no
         assert self._yes_no is not None  # found at start for the one decoder
-        prompts = [rerank_prompt(decoder.tokenizer, query, text) for text in texts]
+        prompts = await decoder.in_tokenizer_thread(
+            rerank_prompt_ids, decoder.tokenizer, query, texts, decoder.context_len
+        )
         logprobs, num_tokens = await decoder.score_labels(prompts, self._yes_no, "documents")
         return [label_probabilities(lp, apply_softmax=True)[0] for lp in logprobs], num_tokens
 

@@ -64,16 +64,21 @@ class GracefulShutdown:
         return len(self.tm.rid_to_state) + sum(len(m.pending) for m in pooled)
 
     async def drain(self) -> None:
-        self.tm.begin_shutdown()
-        for encoder in self.encoders:
-            encoder.begin_shutdown()
-        deadline = time.monotonic() + self.timeout
-        while self.num_in_flight() and time.monotonic() < deadline:
-            await asyncio.sleep(POLL_S)
-        if self.num_in_flight():
-            num = self.abort_all()
-            logger.warning("shutdown timeout reached: aborted %d requests", num)
-        self.server.should_exit = True
+        """Whatever goes wrong in here, the server stops at the end."""
+        try:
+            self.tm.begin_shutdown()
+            for encoder in self.encoders:
+                encoder.begin_shutdown()
+            deadline = time.monotonic() + self.timeout
+            while self.num_in_flight() and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+            if self.num_in_flight():
+                num = self.abort_all()
+                logger.warning("shutdown timeout reached: aborted %d requests", num)
+        except Exception:
+            logger.exception("the shutdown drain failed; stopping now")
+        finally:
+            self.server.should_exit = True
 
     def abort_all(self) -> int:
         num = self.tm.abort_all_for_shutdown()

@@ -57,8 +57,9 @@ def queue_full_error(
     in_flight: int, num_new: int, max_running: int, max_queued: int
 ) -> RequestError | None:
     """The 429 (`queue_full`, with Retry-After) for `num_new` more requests when that would pass
-    `max_running` running plus `max_queued` queued; None when they fit or there is no limit."""
-    if max_queued <= 0 or in_flight + num_new <= max_running + max_queued:
+    `max_running` running plus `max_queued` queued; None when they fit, when there is no limit,
+    or when nothing is in flight (a call larger than the whole queue still runs, alone)."""
+    if max_queued <= 0 or in_flight == 0 or in_flight + num_new <= max_running + max_queued:
         return None
     err = RequestError(
         f"the server is at capacity ({in_flight} requests in flight, up to {max_running} "

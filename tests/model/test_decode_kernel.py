@@ -74,3 +74,11 @@ def test_runner_hands_the_kernel_to_every_layer(tiny_llama_dir: str, op) -> None
     )
     layers = [m for m in runner.model.modules() if isinstance(m, PagedAttention)]
     assert layers and all(m.decode_op is op for m in layers)
+
+
+def test_float16_on_cpu_keeps_the_pytorch_path(tiny_llama_dir: str) -> None:
+    runner = ModelRunner(
+        ModelConfig.from_hf_dir(tiny_llama_dir), torch.device("cpu"), torch.float16, kv_size=64
+    )
+    layers = [m for m in runner.model.modules() if isinstance(m, PagedAttention)]
+    assert layers and all(m.decode_op is None for m in layers)

@@ -90,8 +90,11 @@ def test_abort_ends_waiting_requests_only() -> None:
     s.add_request(_req("d", 3))
     s.add_request(_req("e", 3))
     s.abort(AbortReq(abort_all=True))
-    assert s.internal_state().num_waiting_reqs == 0
-    assert [f.status_code for f in s.step().finished_reasons] == [499, 499]
+    assert s.internal_state().num_waiting_reqs == 0  # at once: later requests are not hit
+    s.add_request(_req("f", 3))
+    out = s.step()
+    assert [f.status_code for f in out.finished_reasons] == [499, 499, 0]
+    assert out.rids == ["d", "e", "f"] and out.finished_reasons[2].type == "length"
 
 
 def test_a_failing_forward_fails_its_batch_with_500() -> None:
@@ -132,3 +135,21 @@ def test_requests_that_wait_past_the_timeout_end_with_503(monkeypatch) -> None:
     assert reasons["old"].code == "timeout" and "3 s" in reasons["old"].message
     assert reasons["young"].type == "length" and enc.batches == [1]
     assert s.num_timeouts == 1 and s.is_idle() and not s.arrivals
+
+
+def test_many_aborts_are_applied_once_at_the_next_step() -> None:
+    enc = FakeEncoder()
+    s = _scheduler(enc, budget=400)
+    for i in range(50):
+        s.add_request(_req(f"r{i}", 2))
+    for i in range(0, 50, 2):
+        s.abort(AbortReq(rid=f"r{i}"))
+    s.abort(AbortReq(rid="never-seen"))
+    assert len(s.waiting) == 50 and s.has_work()  # marked, not yet ended
+    out = s.step()
+    reasons = dict(zip(out.rids, out.finished_reasons, strict=True))
+    assert sum(r.type == "abort" for r in reasons.values()) == 25
+    assert reasons["r0"].status_code == 499 and reasons["r1"].type == "length"
+    assert enc.batches == [8] and not s.to_abort  # then the first 8 of the other 25 ran
+    s.add_request(_req("r0", 2))  # the rid is free again: it left the queue
+    assert not s.outputs

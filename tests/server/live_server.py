@@ -7,6 +7,7 @@ a deadline) and returns the last internal state, for the no-state-left-behind as
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -81,6 +82,23 @@ class LiveServer:
     def child(self, title: str) -> psutil.Process:
         kids = self.ps.children(recursive=True)
         return next(p for p in kids if " ".join(p.cmdline()).startswith(title))
+
+    def unready_while_stopped(self, title: str, health_timeout: float) -> dict[str, Any]:
+        """SIGSTOP child `title` until /health_generate answers 503 (within health_timeout + 3 s;
+        /health stays 200), SIGCONT it, wait until ready again; the 503's error body."""
+        child = self.child(title)
+        child.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + health_timeout + 3
+            while (ready := httpx.get(f"{self.base}/health_generate")).status_code == 200:
+                assert time.monotonic() < deadline, f"still ready with {title} stopped"
+                time.sleep(0.1)
+            assert ready.status_code == 503
+            assert httpx.get(f"{self.base}/health", timeout=2).status_code == 200  # liveness
+        finally:
+            child.send_signal(signal.SIGCONT)
+        self.wait_ready(timeout=10)
+        return ready.json()["error"]
 
     def metrics(self) -> str:
         return httpx.get(f"{self.base}/metrics", timeout=10).text

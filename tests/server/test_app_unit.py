@@ -403,3 +403,22 @@ def test_yes_no_tokens_must_be_single_tokens() -> None:
     with pytest.raises(APIError) as err:
         yes_no_token_ids(Tok({"yes": [7]}))
     assert err.value.status_code == 400 and "'no'" in err.value.message
+
+
+def test_rerank_prompt_ids_cut_long_documents_and_add_no_second_bos() -> None:
+    from sluice.model.loader import load_model_config
+    from sluice.server.errors import APIError
+    from sluice.server.serving_rerank import rerank_prompt, rerank_prompt_ids
+    from sluice.utils.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(load_model_config(None).hf_dir)
+    short, long_doc = "Paris is in France.", "word " * 5000
+    prompts = rerank_prompt_ids(tok, "Where is Paris?", [short, long_doc], 512)
+    assert prompts[0] == tok.encode(
+        rerank_prompt(tok, "Where is Paris?", short), add_special_tokens=False
+    )
+    assert len(prompts[1]) <= 512 and len(prompts[1]) > 400
+    assert prompts[1][-5:] == prompts[0][-5:]  # the assistant turn's start survives the cut
+    with pytest.raises(APIError) as err:
+        rerank_prompt_ids(tok, "q " * 600, [short], 512)
+    assert err.value.status_code == 400 and err.value.code == "context_length_exceeded"

@@ -4,8 +4,6 @@ readiness follows the encoder loop's heartbeat."""
 
 from __future__ import annotations
 
-import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,20 +79,8 @@ def test_score_needs_a_decoder(server: LiveServer) -> None:
 
 
 def test_readiness_follows_the_encoder_heartbeat(server: LiveServer) -> None:
-    encoder = server.child("sluice::encoder")
-    encoder.send_signal(signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + HEALTH_TIMEOUT + 3
-        while (ready := httpx.get(f"{server.base}/health_generate")).status_code == 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        error = ready.json()["error"]
-        assert ready.status_code == 503 and error["code"] == "server_unhealthy"
-        assert DEFAULT_EMBEDDING_NAME in error["message"]
-        assert httpx.get(f"{server.base}/health", timeout=2).status_code == 200  # liveness
-    finally:
-        encoder.send_signal(signal.SIGCONT)
-    server.wait_ready(timeout=10)
+    error = server.unready_while_stopped("sluice::encoder", HEALTH_TIMEOUT)
+    assert error["code"] == "server_unhealthy" and DEFAULT_EMBEDDING_NAME in error["message"]
     state = server.state()
     assert state["num_waiting_reqs"] == 0 and state["num_req_states"] == 0
 

@@ -2,17 +2,23 @@
 
 `decode_attention()` returns the compiled op, or None when it cannot be had (no compiler or
 ninja, a build error, or SLUICE_CPU_KERNELS=0): callers then use the PyTorch path, which gives
-the same results. The build (about 20 s on 2 cores) lands in `<cache dir>/kernels/` and is
-reused by every later process; the C++ source is part of the package.
+the same results. The build (about 20 s on 2 cores) lands in `<cache dir>/kernels/<name>-<CPU
+fingerprint>/` and is reused by every later process on a CPU of the same kind; the C++ source is
+part of the package.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,7 @@ from sluice.utils import envs
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
+BUILD_LOCK_TIMEOUT_S = 300.0  # another process building the same kernel
 # vectorized float reductions need reassociation; no -ffast-math (NaN and inf keep their meaning)
 CFLAGS = [
     "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
@@ -47,17 +54,51 @@ def _build(name: str, source: Path) -> Any:
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-
-    build_dir = envs.cache_dir() / "kernels" / name
+    # -march=native: a build is only good for CPUs with the same instruction sets
+    build_dir = envs.cache_dir() / "kernels" / f"{name}-{_cpu_fingerprint()}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    fresh = not any(build_dir.glob("*.so"))
-    if fresh:
-        logger.info("building the CPU kernel %s (once per machine, ~20 s)", name)
-    start = time.perf_counter()
-    module = load(
-        name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir), verbose=False,
-    )  # fmt: skip
+    with _exclusive(build_dir / "sluice-build.lock"):
+        # torch's own `lock` file outlives a build that was killed and then blocks every later
+        # one forever; holding our lock (the OS drops it with its process) proves it stale
+        (build_dir / "lock").unlink(missing_ok=True)
+        fresh = not any(build_dir.glob("*.so"))
+        if fresh:
+            logger.info("building the CPU kernel %s (once per machine, ~20 s)", name)
+        start = time.perf_counter()
+        module = load(
+            name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir), verbose=False,
+        )  # fmt: skip
     if fresh:
         logger.info("built %s in %.1f s", name, time.perf_counter() - start)
     return module
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An advisory lock on `path`, waited for at most BUILD_LOCK_TIMEOUT_S (TimeoutError)."""
+    with open(path, "a") as f:
+        deadline = time.monotonic() + BUILD_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process holds {path}") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cpu_fingerprint() -> str:
+    """A short hash of this CPU's model and instruction-set flags (Linux), else of its arch."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    lines = [ln for ln in info.splitlines() if ln.startswith(("flags", "model name"))][:2]
+    text = "\n".join(lines) or platform.machine()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -2,9 +2,10 @@
 //
 // One query token per request: out[b, h] = softmax(q[b, h] . K[slots of b] * scale) . V[same].
 // Request b reads the first seq_lens[b] slots of kv_indices[b] from the pool; query head h uses
-// KV head h / (H / Hkv) (grouped-query attention). Requests are split over torch's thread pool
-// (at::parallel_for); each reads its K and V slot rows once, computing in float32 whatever the
-// storage dtype (float32 or bfloat16).
+// KV head h / (H / Hkv) (grouped-query attention). Work is split over torch's thread pool
+// (at::parallel_for) by request, or by (request, KV head) when requests are fewer than twice the
+// threads; a task reads its part of each K and V slot row once, computing in float32 whatever
+// the storage dtype (float32 or bfloat16).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,17 +30,17 @@ inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as a power of two times a
-// degree-6 polynomial of the fraction; relative error < 2e-7, and it vectorizes (std::exp does not).
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^t = 2^n * 2^f with n the integer
+// nearest t = x log2(e), so |f| <= 1/2, and 2^f = e^(f ln 2) by its Taylor series to degree 6
+// (absolute error < 2e-7, about float32 rounding of x log2(e)); unlike std::exp, it vectorizes.
 inline float exp_nonpositive(float x) {
   const float t = std::max(x, -87.f) * 1.44269504f;
-  float whole = static_cast<float>(static_cast<int32_t>(t));  // truncates toward zero
-  whole = whole > t ? whole - 1.f : whole;                     // floor
-  const float f = t - whole;                                   // [0, 1)
+  const float n = static_cast<float>(static_cast<int32_t>(t - 0.5f));  // round(t): t - 0.5 < 0
+  const float y = (t - n) * 0.693147181f;                               // |y| <= ln(2) / 2
   const float p =
-      1.f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f +
-      f * (0.00961812911f + f * (0.00133335581f + f * 0.000154035304f)))));
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+      1.f + y * (1.f + y * (0.5f + y * (0.166666672f + y * (0.0416666679f +
+      y * (0.00833333377f + y * 0.00138888892f)))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
@@ -59,19 +60,24 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const 
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
 
-  // one task per request: every slot row is read once, for all its heads
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), row(row_len), scores;
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t L = lens[b];
+  // A task is one request and a range of its KV heads: all of them (each slot row read once)
+  // when there are enough requests to keep every thread busy, else one head per task.
+  const int64_t heads_per_task = B >= 2 * at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_req = Hkv / heads_per_task;
+  at::parallel_for(0, B * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+    const int64_t QH = heads_per_task * G, span = heads_per_task * D;  // query heads, row part
+    std::vector<float> qf(QH * D), acc(QH * D), row(span), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_req, kh0 = (task % tasks_per_req) * heads_per_task;
+      const int64_t L = lens[b], h0 = kh0 * G, off = kh0 * D;  // first query head, row offset
       const int64_t* slots = idx + b * max_kv;
-      load_row(qp + b * H * D, qf.data(), H * D);
-      for (int64_t i = 0; i < H * D; ++i) qf[i] *= static_cast<float>(scale);
-      scores.resize(H * L);
+      load_row(qp + (b * H + h0) * D, qf.data(), QH * D);
+      for (int64_t i = 0; i < QH * D; ++i) qf[i] *= static_cast<float>(scale);
+      scores.resize(QH * L);
       for (int64_t l = 0; l < L; ++l) {  // scores[h, l] = q_h . k_l (KV head h / G)
-        if (l + 4 < L) __builtin_prefetch(kp + slots[l + 4] * row_len);
-        load_row(kp + slots[l] * row_len, row.data(), row_len);
-        for (int64_t h = 0; h < H; ++h) {
+        if (l + 4 < L) __builtin_prefetch(kp + slots[l + 4] * row_len + off);
+        load_row(kp + slots[l] * row_len + off, row.data(), span);
+        for (int64_t h = 0; h < QH; ++h) {
           const float* qh = qf.data() + h * D;
           const float* kh = row.data() + (h / G) * D;
           float s = 0.f;
@@ -79,7 +85,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const 
           scores[h * L + l] = s;
         }
       }
-      for (int64_t h = 0; h < H; ++h) {  // softmax over l, in place
+      for (int64_t h = 0; h < QH; ++h) {  // softmax over l, in place
         float* s = scores.data() + h * L;
         const float m = *std::max_element(s, s + L);
         float sum = 0.f;
@@ -92,16 +98,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {  // acc[h] = sum_l p[h, l] v_l
-        if (l + 4 < L) __builtin_prefetch(vp + slots[l + 4] * row_len);
-        load_row(vp + slots[l] * row_len, row.data(), row_len);
-        for (int64_t h = 0; h < H; ++h) {
+        if (l + 4 < L) __builtin_prefetch(vp + slots[l + 4] * row_len + off);
+        load_row(vp + slots[l] * row_len + off, row.data(), span);
+        for (int64_t h = 0; h < QH; ++h) {
           const float p = scores[h * L + l];
           const float* vh = row.data() + (h / G) * D;
           float* a = acc.data() + h * D;
           for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
         }
       }
-      store_row(acc.data(), op + b * H * D, H * D);
+      store_row(acc.data(), op + (b * H + h0) * D, QH * D);
     }
   });
 }

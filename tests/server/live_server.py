@@ -6,12 +6,14 @@ a deadline) and returns the last internal state, for the no-state-left-behind as
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +109,19 @@ class LiveServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def running_server(
+    model_path: str | None, args: list[str], log: Path, num_threads: int | None = 1
+) -> Iterator[LiveServer]:
+    """A LiveServer, ready, for the block; killed after it (a module fixture's body)."""
+    srv = LiveServer(model_path, args, log, num_threads)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
 
 def is_idle(state: dict[str, Any]) -> bool:

@@ -23,6 +23,7 @@ from tests.server.live_server import (
     assert_no_state_left,
     long_context_tiny_llama,
     metric,
+    running_server,
 )
 
 # generous enough that a loaded CI machine never expires a request a test means to abort
@@ -42,12 +43,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) -> Ite
             "--max-running-requests", "1", "--max-queued-requests", "3",
             "--waiting-timeout", str(WAITING_TIMEOUT), "--running-timeout", str(RUNNING_TIMEOUT),
             "--health-timeout", str(HEALTH_TIMEOUT), "--log-level", "warning"]  # fmt: skip
-    srv = LiveServer(model, args, tmp / "server.log")
-    try:
-        srv.wait_ready()
+    with running_server(model, args, tmp / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
-from tests.server.live_server import LiveServer, assert_no_state_left
+from tests.server.live_server import LiveServer, assert_no_state_left, running_server
 
 openai = pytest.importorskip("openai")
 
@@ -31,12 +31,8 @@ needs_embedder = pytest.mark.skipif(not HAS_EMBEDDER, reason="no default embeddi
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     tmp = tmp_path_factory.mktemp("decoder_pooling")
     args = ["--log-level", "warning", *([] if HAS_EMBEDDER else ["--no-embedding-model"])]
-    srv = LiveServer(None, args, tmp / "server.log", num_threads=None)
-    try:
-        srv.wait_ready()
+    with running_server(None, args, tmp / "server.log", num_threads=None) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

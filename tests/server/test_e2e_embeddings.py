@@ -13,7 +13,7 @@ import pytest
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
 from tests.model.test_bert import SENTENCES, make_tiny_cross_encoder
-from tests.server.live_server import LiveServer
+from tests.server.live_server import running_server
 
 openai = pytest.importorskip("openai")
 if default_embedding_model_path() is None:
@@ -30,12 +30,8 @@ def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     make_tiny_cross_encoder(rerank_dir, default_embedding_model_path() or "")
     args = ["--rerank-model-path", str(rerank_dir), "--max-total-tokens", "4096",
             "--log-level", "warning"]  # fmt: skip
-    srv = LiveServer(tiny_llama_dir, args, tmp / "server.log", num_threads=None)
-    try:
-        srv.wait_ready()
+    with running_server(tiny_llama_dir, args, tmp / "server.log", num_threads=None) as srv:
         yield srv.base
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

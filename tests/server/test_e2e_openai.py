@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.live_server import LiveServer
+from tests.server.live_server import running_server
 
 pytest.importorskip("sluice.launch", reason="sluice.launch is not there yet")
 openai = pytest.importorskip("openai")
@@ -28,12 +28,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning",
             "--no-embedding-model"]  # fmt: skip
     log = tmp_path_factory.mktemp("e2e_openai") / "server.log"
-    srv = LiveServer(None, args, log, num_threads=None)
-    try:
-        srv.wait_ready()
+    with running_server(None, args, log, num_threads=None) as srv:
         yield srv.base
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

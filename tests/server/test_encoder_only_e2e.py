@@ -13,7 +13,7 @@ import pytest
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
 from tests.model.test_bert import make_tiny_cross_encoder
-from tests.server.live_server import LiveServer
+from tests.server.live_server import LiveServer, running_server
 
 openai = pytest.importorskip("openai")
 if default_embedding_model_path() is None:
@@ -26,12 +26,8 @@ HEALTH_TIMEOUT = 1.5
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     log = tmp_path_factory.mktemp("encoder-only") / "server.log"
     args = ["--health-timeout", str(HEALTH_TIMEOUT), "--log-level", "warning"]
-    srv = LiveServer(default_embedding_model_path(), args, log, num_threads=None)
-    try:
-        srv.wait_ready()
+    with running_server(default_embedding_model_path(), args, log, num_threads=None) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_models_lists_the_encoder_alone(server: LiveServer) -> None:
@@ -88,9 +84,7 @@ def test_readiness_follows_the_encoder_heartbeat(server: LiveServer) -> None:
 def test_a_cross_encoder_alone_serves_rerank(tmp_path: Path) -> None:
     model_dir = tmp_path / "tiny-ce"
     make_tiny_cross_encoder(model_dir, default_embedding_model_path() or "")
-    srv = LiveServer(str(model_dir), ["--log-level", "warning"], tmp_path / "server.log")
-    try:
-        srv.wait_ready()
+    with running_server(str(model_dir), ["--log-level", "warning"], tmp_path / "server.log") as srv:
         body = {"query": "q", "documents": ["one", "two", "three"], "top_n": 2}
         resp = httpx.post(f"{srv.base}/v1/rerank", json=body).json()
         assert resp["method"] == "cross-encoder" and resp["model"] == "tiny-ce"
@@ -98,5 +92,3 @@ def test_a_cross_encoder_alone_serves_rerank(tmp_path: Path) -> None:
         assert len(scores) == 2 and scores == sorted(scores, reverse=True)
         chat = httpx.post(f"{srv.base}/v1/completions", json={"prompt": "hi"})
         assert chat.status_code == 400 and "cross-encoder" in chat.json()["error"]["message"]
-    finally:
-        srv.stop()

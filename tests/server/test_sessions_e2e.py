@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.live_server import LiveServer, assert_no_state_left
+from tests.server.live_server import LiveServer, assert_no_state_left, running_server
 from tests.tiny_models import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
@@ -27,12 +27,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) -> Ite
         tmp / "model", tokenizer_dir=smollm2_hf_dir, initializer_range=0.5,
         max_position_embeddings=4096,
     )  # fmt: skip
-    srv = LiveServer(model, ["--max-total-tokens", "8192", "--log-level", "warning"], tmp / "log")
-    try:
-        srv.wait_ready()
+    with running_server(
+        model, ["--max-total-tokens", "8192", "--log-level", "warning"], tmp / "log"
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from tests.server.live_server import (
     assert_no_state_left,
     long_context_tiny_llama,
     metric,
+    running_server,
 )
 
 STORM_REQUESTS, STORM_CLIENTS, STORM_DEADLINE_S = 600, 32, 90
@@ -40,12 +41,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) -> Ite
     args = ["--max-total-tokens", "3072", "--chunked-prefill-size", "64",
             "--max-running-requests", "8", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
             "--log-level", "info"]  # fmt: skip
-    srv = LiveServer(model, args, tmp / "server.log")
-    try:
-        srv.wait_ready()
+    with running_server(model, args, tmp / "server.log") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _body(rng: random.Random, rid: str, stream: bool) -> tuple[str, dict[str, Any]]:

@@ -4,14 +4,13 @@ Same loop guarantee as the decoder's `SchedulerLoop`: while there is work, messa
 without blocking between steps; while idle, the loop blocks on the socket. Each step's
 BatchEmbeddingOutput goes to `addrs.detokenizer_in`, which is the detokenizer (it passes it on
 unchanged) or, for an extra model of a server, the EmbeddingManager's own socket directly.
-A SchedulerHeartbeat goes out at least every `heartbeat_interval`, busy or idle, as from the
+A SchedulerHeartbeat goes out at least every heartbeat interval, busy or idle, as from the
 decoder's scheduler: the readiness check judges every model's loop the same way.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import zmq
@@ -86,8 +85,7 @@ class EncoderLoop:
         self.ctx = zmq.Context()
         self.recv_sock = ipc.pull_socket(self.ctx, addrs.scheduler_in)
         self.send_sock = ipc.push_socket(self.ctx, addrs.detokenizer_in)
-        self.heartbeat_interval = ipc.heartbeat_interval(args.health_timeout)
-        self.last_beat = 0.0
+        self.heartbeat = ipc.HeartbeatTimer(args.health_timeout)
 
     def info(self) -> dict[str, int | float | str]:
         return self._info
@@ -104,9 +102,7 @@ class EncoderLoop:
             out = self.scheduler.step()
             if out is not None:
                 ipc.send(self.send_sock, out)
-        now = time.monotonic()
-        if now - self.last_beat >= self.heartbeat_interval:
-            self.last_beat = now
+        if self.heartbeat.due():
             ipc.send(self.send_sock, SchedulerHeartbeat(0, len(self.scheduler.waiting)))
 
     def _handle(self, frames: list[bytes]) -> None:

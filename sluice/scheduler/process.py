@@ -8,13 +8,12 @@ BatchTokenIDOutput of generation requests, then the BatchEmbeddingOutput of the 
 A message that cannot be taken in ends only the request it carries (an abort finish for its
 rid, 400 if it could not be decoded, 500 if intake failed); an error inside `step()` ends the
 process, and the launcher's watchdog notices. A SchedulerHeartbeat goes out at least every
-`heartbeat_interval` (busy or idle), so the HTTP process can tell a stuck loop; SIGTERM exits 0.
+heartbeat interval (busy or idle), so the HTTP process can tell a stuck loop; SIGTERM exits 0.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import msgspec
@@ -75,9 +74,7 @@ class SchedulerLoop:
         self.ctx = zmq.Context()
         self.recv_sock = ipc.pull_socket(self.ctx, addrs.scheduler_in)
         self.send_sock = ipc.push_socket(self.ctx, addrs.detokenizer_in)
-        # a few beats per readiness window, at most one a second
-        self.heartbeat_interval = min(1.0, max(args.health_timeout, 0.1) / 4)
-        self.last_beat = 0.0
+        self.heartbeat = ipc.HeartbeatTimer(args.health_timeout)
 
     def info(self) -> dict[str, int | float | str]:
         res = self.res
@@ -103,9 +100,7 @@ class SchedulerLoop:
                 if out is not None:
                     ipc.send(self.send_sock, out)
         self.scheduler.expire_sessions()  # about once a second, busy or idle
-        now = time.monotonic()
-        if now - self.last_beat >= self.heartbeat_interval:
-            self.last_beat = now
+        if self.heartbeat.due():
             s = self.scheduler
             beat = SchedulerHeartbeat(len(s.running) + (s.chunked_req is not None), len(s.waiting))
             ipc.send(self.send_sock, beat)

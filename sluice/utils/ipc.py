@@ -44,10 +44,20 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {name.encode(): msgspec.msgpack.Decoder(cls) for name, cls in MESSAGE_TYPES.items()}
 
 
-def heartbeat_interval(health_timeout: float) -> float:
-    """Seconds between a model loop's SchedulerHeartbeats: a few per readiness window
-    (--health-timeout), at most one a second."""
-    return min(1.0, max(health_timeout, 0.1) / 4)
+class HeartbeatTimer:
+    """When a model loop's next SchedulerHeartbeat is due: a few per readiness window
+    (--health-timeout), at most one a second, busy or idle."""
+
+    def __init__(self, health_timeout: float) -> None:
+        self.interval = min(1.0, max(health_timeout, 0.1) / 4)
+        self.last = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            return False
+        self.last = now
+        return True
 
 
 def encode(msg: msgspec.Struct) -> list[bytes]:

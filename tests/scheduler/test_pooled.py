@@ -322,7 +322,8 @@ def test_process_loop_answers_pooled_messages(
 
     loop = SchedulerLoop.__new__(SchedulerLoop)  # the loop's logic, without sockets
     loop.scheduler, loop.recv_sock, loop.send_sock = tiny_engine.scheduler, None, None
-    loop.heartbeat_interval, loop.last_beat = 1e9, 1e18
+    loop.heartbeat = ipc.HeartbeatTimer(1e9)
+    loop.heartbeat.last = 1e18  # no beat during the test
     batch = BatchTokenizedEmbeddingReqInput([req("m0", [5, 6, 7]), req("m1", [5, 6], [9])])
     inbox = [ipc.encode(batch), ipc.encode(req("m2", [])), [b"TokenizedEmbeddingReqInput", b"\x81"]]
     no_ids = msgspec.msgpack.encode({"reqs": [{"rid": "m3", "reply_to": "w"}]})  # no input_ids

@@ -3,9 +3,11 @@
 The scheduler decides what to run; `ForwardBatch.build` turns that into tensors. Every layer
 reads the same metadata; nothing is stored on modules between calls.
 
-Attention runs on padded per-request views: queries [B, H, max_q, D] against keys gathered from
-the KV pool through `kv_indices` [B, max_kv]; `attn_mask` [B, 1, max_q, max_kv] marks what each
-query may see (its request's prefix and the causal part of its own extend).
+PyTorch attention runs on padded per-request views: queries [B, H, max_q, D] against keys
+gathered from the KV pool through `kv_indices` [B, max_kv]; `attn_mask` [B, 1, max_q, max_kv]
+marks what each query may see (its request's prefix and the causal part of its own extend).
+sluice's CPU kernels read the pool in place instead, query by query: `q_rows` and `q_seq_lens`
+say which row of `kv_indices` each new token reads and how much of it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class ForwardBatch:
     q_pad_index: torch.Tensor | None  # [B * max_q] -> index into T (EXTEND only)
     q_unpad_index: torch.Tensor | None  # [T] -> index into B * max_q (EXTEND only)
     logits_index: torch.Tensor  # [N] rows of T whose logits are computed
+    q_rows: torch.Tensor | None = None  # [T] -> request (row of kv_indices) (EXTEND on CPU)
+    q_seq_lens: torch.Tensor | None = None  # [T] keys each token sees: position + 1 (same)
+    # the share of the padded [B, max_q, max_kv] attention that the mask lets through (1: DECODE
+    # without padding); PyTorch's SDPA computes all of it, sluice's kernel only that share
+    mask_density: float = 1.0
 
     @classmethod
     def build(
@@ -59,7 +66,9 @@ class ForwardBatch:
         seq_t = torch.tensor(seq_lens, dtype=torch.int64)
         positions = _positions(prefix_lens, extend_lens)
         attn_mask = None
-        q_pad = q_unpad = None
+        q_pad = q_unpad = q_rows = q_seq_lens = None
+        seen = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens, strict=True))
+        mask_density = seen / (bs * max_q * max_kv)
         if mode == ForwardMode.DECODE:
             if min(seq_lens) != max_kv:
                 attn_mask = (torch.arange(max_kv) < seq_t[:, None]).view(bs, 1, 1, max_kv)
@@ -80,6 +89,9 @@ class ForwardBatch:
             q_pad = (starts[:, None] + q_pos[None, :]).clamp(max=max(len(input_ids) - 1, 0))
             q_pad = torch.where(valid_q, q_pad, 0).view(-1)
             q_unpad = (torch.arange(bs)[:, None] * max_q + q_pos[None, :])[valid_q]
+            if device.type == "cpu":  # only sluice's CPU kernels read them
+                q_rows = torch.repeat_interleave(torch.arange(bs), ext_t)
+                q_seq_lens = positions + 1
             if bs == 1 and prefix_lens[0] == 0:
                 attn_mask = None  # a single fresh prompt: plain causal attention
         return cls(
@@ -95,6 +107,9 @@ class ForwardBatch:
             q_pad_index=None if q_pad is None else q_pad.to(device),
             q_unpad_index=None if q_unpad is None else q_unpad.to(device),
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
+            q_rows=q_rows,
+            q_seq_lens=q_seq_lens,
+            mask_density=mask_density,
         )
 
     @property

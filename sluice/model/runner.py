@@ -86,8 +86,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     num_params = sum(p.numel() for p in model.parameters())
     if can_pack_linears(device, dtype):
         pack_linears(model)
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):  # what the kernel takes
-        _use_decode_kernel(model)
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):  # what the kernels take
+        _use_cpu_kernels(model, cfg.head_dim)
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",
         cfg.model_name, cfg.architecture, num_params / 1e6, str(dtype).removeprefix("torch."),
@@ -96,14 +96,17 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     return model
 
 
-def _use_decode_kernel(model: nn.Module) -> None:
-    """Hand sluice's C++ decode-attention op (None when it cannot be built) to every layer."""
-    from sluice.model.kernels import decode_attention
+def _use_cpu_kernels(model: nn.Module, head_dim: int) -> None:
+    """Hand sluice's C++ CPU kernels (None when they cannot be built) to every module that has a
+    `cpu_ops` slot; attention only where its kernels are compiled for this head_dim."""
+    from sluice.model.kernels import cpu_ops
 
-    op = decode_attention()
+    ops = cpu_ops()
     for module in model.modules():
-        if isinstance(module, PagedAttention):
-            module.decode_op = op
+        if isinstance(module, PagedAttention) and ops and head_dim not in ops.attention_head_dims:
+            continue
+        if hasattr(type(module), "cpu_ops"):
+            module.cpu_ops = ops
 
 
 def _init_buffers(model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device) -> None:

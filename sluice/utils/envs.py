@@ -25,7 +25,9 @@ ENV_VARS: dict[str, EnvVar] = {
         "~/.cache/sluice", "where converted models and other derived files are cached"
     ),
     "SLUICE_CPU_KERNELS": EnvVar(
-        "1", "build and use sluice's C++ CPU kernels (decode attention); 0: PyTorch ops only"
+        "1",
+        "build and use sluice's C++ CPU kernels (decode attention, fused norm, SiLU, rotary); "
+        "0: PyTorch ops only",
     ),
 }
 

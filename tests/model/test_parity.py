@@ -3,7 +3,8 @@
 Logits of tiny random-weight Llama and Qwen2 checkpoints must match transformers within 1e-4
 (fp32) through a batched prefill of prompts of different lengths, a chunk on top of a cached
 prefix, and batched decode of requests of different lengths. SmolLM2 (from the GGUF) must
-generate the same greedy tokens as transformers, alone and in one batch.
+generate the same greedy tokens as transformers, alone and in one batch. The tiny models run
+twice: with sluice's C++ CPU kernels, and with the PyTorch ops they replace.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ ATOL = 1e-4
 class Driver:
     """Drives a ModelRunner by hand: one request row per sequence, slots from an allocator."""
 
-    def __init__(self, hf_dir: str) -> None:
+    def __init__(self, hf_dir: str, kernels: bool, dtype: torch.dtype = torch.float32) -> None:
         cfg = ModelConfig.from_hf_dir(hf_dir)
-        self.runner = ModelRunner(cfg, torch.device("cpu"), torch.float32, kv_size=4096)
+        self.runner = ModelRunner(cfg, torch.device("cpu"), dtype, kv_size=4096)
+        with_ops = [m for m in self.runner.model.modules() if getattr(m, "cpu_ops", None)]
+        assert with_ops, "the C++ CPU kernels did not build (see the warning log)"
+        if not kernels:
+            for module in with_ops:
+                module.cpu_ops = None
         self.alloc = TokenToKVPoolAllocator(4096)
         self.pool = ReqToTokenPool(8, 512)
         self.lens: dict[int, int] = {}
@@ -71,12 +77,19 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def pair(request, tiny_llama_dir, tiny_qwen2_dir):
+def hf_pair(request, tiny_llama_dir, tiny_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
     path = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return path, hf
+
+
+@pytest.fixture(params=["kernels", "torch-ops"])
+def pair(request, hf_pair):
+    """(a Driver factory for the checkpoint, the transformers model of it)."""
+    path, hf = hf_pair
+    return (lambda: Driver(path, kernels=request.param == "kernels")), hf
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -85,8 +98,8 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def test_batched_prefill_matches_transformers(pair):
-    path, hf = pair
-    drv = Driver(path)
+    make_driver, hf = pair
+    drv = make_driver()
     prompts = _prompts(0, [5, 17, 9, 1])
     rows = [drv.new_seq() for _ in prompts]
     got = drv.extend(dict(zip(rows, prompts, strict=True)))
@@ -95,16 +108,16 @@ def test_batched_prefill_matches_transformers(pair):
 
 
 def test_single_prompt_fast_path_matches(pair):
-    path, hf = pair
-    drv = Driver(path)
+    make_driver, hf = pair
+    drv = make_driver()
     (ids,) = _prompts(1, [23])
     (got,) = drv.extend({drv.new_seq(): ids})
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 def test_chunk_on_cached_prefix_matches(pair):
-    path, hf = pair
-    drv = Driver(path)
+    make_driver, hf = pair
+    drv = make_driver()
     ids, other = _prompts(2, [30, 11])
     a, b = drv.new_seq(), drv.new_seq()
     drv.extend({a: ids[:12]})
@@ -115,8 +128,8 @@ def test_chunk_on_cached_prefix_matches(pair):
 
 
 def test_batched_decode_of_different_lengths_matches(pair):
-    path, hf = pair
-    drv = Driver(path)
+    make_driver, hf = pair
+    drv = make_driver()
     seqs = _prompts(3, [6, 13, 3])
     rows = [drv.new_seq() for _ in seqs]
     drv.extend(dict(zip(rows, seqs, strict=True)), all_logits=False)
@@ -126,6 +139,22 @@ def test_batched_decode_of_different_lengths_matches(pair):
         for i, seq in enumerate(seqs):
             seq.append(nxt[i][step])
             torch.testing.assert_close(got[i][0], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
+
+
+def test_bfloat16_kernels_agree_with_pytorch_ops(hf_pair):
+    """In bfloat16 there is no transformers parity to hold to; the kernels and the PyTorch ops
+    they replace must give the same logits within bfloat16's precision, prefill and decode."""
+    path, _ = hf_pair
+    drivers = [Driver(path, kernels=k, dtype=torch.bfloat16) for k in (True, False)]
+    prompts = _prompts(5, [9, 30, 4])
+    outs = []
+    for drv in drivers:
+        rows = [drv.new_seq() for _ in prompts]
+        got = drv.extend(dict(zip(rows, prompts, strict=True)))
+        got += drv.decode({r: 7 for r in rows})
+        outs.append(torch.cat(got))
+    scale = outs[1].abs().max().item()
+    torch.testing.assert_close(outs[0], outs[1], atol=0.02 * scale, rtol=0)
 
 
 PROMPTS = [

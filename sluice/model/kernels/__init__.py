@@ -1,10 +1,15 @@
-"""sluice's own CPU kernels, compiled once per machine with torch's C++ extension builder.
+"""sluice's own CPU kernels (`cpu_ops.cpp`), compiled once per machine with torch's C++
+extension builder.
 
-`decode_attention()` returns the compiled op, or None when it cannot be had (no compiler or
-ninja, a build error, or SLUICE_CPU_KERNELS=0): callers then use the PyTorch path, which gives
-the same results. The build (about 20 s on 2 cores) lands in `<cache dir>/kernels/<name>-<CPU
-fingerprint>/` and is reused by every later process on a CPU of the same kind; the C++ source is
-part of the package.
+`cpu_ops()` returns the compiled module, or None when it cannot be had (no compiler or ninja, a
+build error, or SLUICE_CPU_KERNELS=0): callers then use PyTorch ops. Its functions:
+`decode_attention(q, k_pool, v_pool, kv_indices, seq_lens, scale)` and `extend_attention(q,
+k_pool, v_pool, kv_indices, q_rows, q_lens, scale)` (for the head dims in its
+`attention_head_dims`), `rms_norm(x, weight, eps)`, `add_rms_norm_(x, residual, weight, eps)`,
+`silu_and_mul(x)` and `rope_(x, positions, cos, sin, heads, head_dim)`, for float32 and bfloat16
+tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs. The build (about
+30 s on 2 cores) lands in `<cache dir>/kernels/<name>-<CPU fingerprint>/` and is reused by every
+later process on a CPU of the same kind; the C++ source is part of the package.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from sluice.utils import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process building the same kernel
 # vectorized float reductions need reassociation; no -ffast-math (NaN and inf keep their meaning)
 CFLAGS = [
@@ -36,14 +41,14 @@ CFLAGS = [
 
 
 @functools.cache
-def decode_attention() -> Any | None:
-    """The `decode_attention(q, k_pool, v_pool, kv_indices, seq_lens, scale)` op, or None."""
+def cpu_ops() -> Any | None:
+    """The compiled module of sluice's CPU kernels, or None."""
     if not envs.get_bool("SLUICE_CPU_KERNELS"):
         return None
     try:
-        return _build("sluice_decode_attention", SOURCE).decode_attention
+        return _build("sluice_cpu_ops", SOURCE)
     except Exception as e:  # any build failure: fall back, loudly once
-        logger.warning("the C++ decode-attention kernel is unavailable (%s); using PyTorch ops", e)
+        logger.warning("sluice's C++ CPU kernels are unavailable (%s); using PyTorch ops", e)
         return None
 
 
@@ -63,7 +68,7 @@ def _build(name: str, source: Path) -> Any:
         (build_dir / "lock").unlink(missing_ok=True)
         fresh = not any(build_dir.glob("*.so"))
         if fresh:
-            logger.info("building the CPU kernel %s (once per machine, ~20 s)", name)
+            logger.info("building the CPU kernels %s (once per machine, ~30 s)", name)
         start = time.perf_counter()
         module = load(
             name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],

@@ -8,6 +8,7 @@ loader maps the checkpoint's separate tensors into their slices (`STACKED`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)  # of qkv_proj, for loading
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.shard_sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rope = rope
@@ -43,15 +44,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
         # x: [T, hidden]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(fb.positions, q, k)
+        q, k, v = self.rope(fb.positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v, fb, kv))
 
 
 class LlamaMLP(nn.Module):
+    cpu_ops: Any | None = None  # sluice.model.kernels.cpu_ops() on CPU (set by the runner)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
@@ -59,7 +58,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_ops is not None:
+            return self.down_proj(self.cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -71,9 +73,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch, kv: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next layer's norm adds
+        the two, in one pass with its normalization."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, fb, kv), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -89,10 +99,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(fb.input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(fb.input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, fb, kv)
-        return self.norm(x)
+            x, residual = layer(x, residual, fb, kv)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

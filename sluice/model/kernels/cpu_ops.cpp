@@ -1,0 +1,521 @@
+// sluice's CPU kernels: attention over the token-slot KV pool (decode, and prefill query by
+// query), and the fused elementwise steps of a decoder layer (residual add + RMSNorm,
+// SiLU-and-multiply, rotary embedding), each one pass over its rows instead of the dozen small
+// PyTorch ops they replace.
+//
+// Storage is float32 or bfloat16; arithmetic is float32 throughout. Vectors are GCC/Clang
+// vector extensions of 16 floats: one AVX-512 register where the CPU has them, two AVX2 ones
+// elsewhere (the build is -march=native). Work is split over torch's thread pool.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// load_row() splits bfloat16 pairs by the halves of a 32-bit word
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian CPUs only");
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));     // 16 floats
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));  // 16 bfloat16 bit patterns
+
+inline vf bits_to_float(vu w) {
+  vf v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline void from_float(float x, float* p) { *p = x; }
+inline void from_float(float x, at::BFloat16* p) { *p = at::BFloat16(x); }  // round to nearest
+
+// ---------------------------------------------------------------------------------------------
+// Rows of D = 16 * C values as C vectors. float32 keeps their order. bfloat16 reads each 32
+// values as 16 32-bit words and splits them into the even and the odd values (a shift and a
+// mask, no shuffles), so the lanes hold a fixed permutation of the row, the same for q, K and V:
+// dot products are unchanged, and store_row() puts the output back in order.
+// ---------------------------------------------------------------------------------------------
+template <int C>
+inline void load_row(const float* p, vf* v) {
+  for (int c = 0; c < C; ++c) std::memcpy(&v[c], p + 16 * c, sizeof(vf));
+}
+
+template <int C>
+inline void load_row(const at::BFloat16* p, vf* v) {
+  int c = 0;
+  for (; c + 1 < C; c += 2) {
+    vu w;
+    std::memcpy(&w, p + 16 * c, sizeof w);
+    v[c] = bits_to_float(w << 16);
+    v[c + 1] = bits_to_float(w & 0xffff0000u);
+  }
+  if (c < C) {
+    vh h;
+    std::memcpy(&h, p + 16 * c, sizeof h);
+    v[c] = bits_to_float(__builtin_convertvector(h, vu) << 16);
+  }
+}
+
+template <int C>
+inline void store_row(const vf* v, float scale, float* p) {
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < 16; ++i) p[16 * c + i] = v[c][i] * scale;
+}
+
+template <int C>
+inline void store_row(const vf* v, float scale, at::BFloat16* p) {
+  int c = 0;
+  for (; c + 1 < C; c += 2)
+    for (int i = 0; i < 16; ++i) {
+      p[16 * c + 2 * i] = at::BFloat16(v[c][i] * scale);
+      p[16 * c + 2 * i + 1] = at::BFloat16(v[c + 1][i] * scale);
+    }
+  if (c < C)
+    for (int i = 0; i < 16; ++i) p[16 * c + i] = at::BFloat16(v[c][i] * scale);
+}
+
+// 16 consecutive values, in order
+inline vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load16(const at::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return bits_to_float(__builtin_convertvector(h, vu) << 16);
+}
+inline void store16(vf v, float* p) { std::memcpy(p, &v, sizeof v); }
+inline void store16(vf v, at::BFloat16* p) {  // round to nearest even, as at::BFloat16 does
+  vu w;
+  std::memcpy(&w, &v, sizeof w);
+  const vu rounded = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
+  const vu bits = v != v ? vu{} + 0x7fc0u : rounded;  // NaN stays NaN
+  const vh h = __builtin_convertvector(bits, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+// what storing to T and loading back gives: rounding to T's precision
+inline vf round_to(vf v, const float*) { return v; }
+inline vf round_to(vf v, const at::BFloat16*) {
+  at::BFloat16 tmp[16];
+  store16(v, tmp);
+  return load16(tmp);
+}
+
+// Lane j of the result is the sum of the 16 lanes of a[j]: a transposing tree of 30 two-source
+// shuffles and 15 adds, instead of 16 separate horizontal sums.
+inline vf reduce16(const vf* a) {
+  vf r1[8], r2[4], r3[2];
+  for (int i = 0; i < 8; ++i)
+    r1[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1],
+                                    0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a[2 * i], a[2 * i + 1],
+                                    8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    r2[i] = __builtin_shufflevector(r1[2 * i], r1[2 * i + 1],
+                                    0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(r1[2 * i], r1[2 * i + 1],
+                                    4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    r3[i] = __builtin_shufflevector(r2[2 * i], r2[2 * i + 1],
+                                    0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(r2[2 * i], r2[2 * i + 1],
+                                    2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(r3[0], r3[1],
+                                 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(r3[0], r3[1],
+                                 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// e^x, x clamped to [-87, 88]: 2^t = 2^n * 2^f with n the integer nearest t = x log2(e), so
+// |f| <= 1/2, and 2^f = e^(f ln 2) by its Taylor series to degree 6 (relative error < 2e-7,
+// about float32 rounding of x log2(e)); unlike std::exp, it vectorizes.
+inline vf vexp(vf x) {
+  x = x < -87.f ? vf{} - 87.f : x;
+  x = x > 88.f ? vf{} + 88.f : x;
+  const vf t = x * 1.44269504f;
+  const vi n = __builtin_convertvector(t + (t < 0.f ? vf{} - 0.5f : vf{} + 0.5f), vi);
+  const vf y = (t - __builtin_convertvector(n, vf)) * 0.693147181f;  // |y| <= ln(2) / 2
+  const vf p = 1.f + y * (1.f + y * (0.5f + y * (0.166666672f + y * (0.0416666679f +
+               y * (0.00833333377f + y * 0.00138888892f)))));
+  vf scale;
+  const vu bits = (__builtin_convertvector(n, vu) + 127u) << 23;  // unsigned: no signed overflow
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention over the token-slot pool, read in place (no gather): out[i, h] = softmax(q[i, h] . K
+// * scale) . V over the first lens[i] slots of query i's request. Query head h uses KV head h / G
+// (grouped-query attention). Each query is done on its own, in float32.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t BLK = 16;   // slots per block (one reduce16)
+constexpr int64_t AHEAD = 2;  // blocks of rows prefetched ahead
+
+// KV heads [kh0, kh0 + nkv) of one request: q, out point at its first query head, kb, vb at
+// the KV head's part of slot 0. Scratch: scores [QH, L rounded up to BLK], acc [QH, C] + 1 / sum.
+template <typename T, int C>
+void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L,
+            int64_t row_len, int64_t nkv, int64_t G, float scale, T* out,
+            std::vector<float>& scores_buf, std::vector<vf>& acc_buf, std::vector<float>& inv) {
+  constexpr int64_t D = 16 * C;
+  const int64_t QH = nkv * G, Lp = (L + BLK - 1) / BLK * BLK, span = nkv * D;
+  scores_buf.resize(QH * Lp);
+  acc_buf.resize(QH * C);
+  inv.resize(QH);
+  float* scores = scores_buf.data();
+  vf* acc = acc_buf.data();
+  const T* rows[BLK];
+
+  for (int64_t h = 0; h < QH; ++h) {  // the scaled queries, kept in acc until the V pass
+    load_row<C>(q + h * D, acc + h * C);
+    for (int c = 0; c < C; ++c) acc[h * C + c] *= scale;
+  }
+  for (int64_t l = 0; l < std::min(L, AHEAD * BLK); ++l) prefetch_row(kb + slots[l] * row_len, span);
+  for (int64_t l0 = 0; l0 < L; l0 += BLK) {  // scores[h, l] = q_h . k_l
+    const int64_t n = std::min(BLK, L - l0);
+    for (int64_t j = 0; j < BLK; ++j) rows[j] = kb + slots[l0 + std::min(j, n - 1)] * row_len;
+    for (int64_t l = l0 + AHEAD * BLK; l < std::min(L, l0 + (AHEAD + 1) * BLK); ++l)
+      prefetch_row(kb + slots[l] * row_len, span);
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        vf qv[C], a[BLK];
+        for (int c = 0; c < C; ++c) qv[c] = acc[h * C + c];
+        for (int64_t j = 0; j < BLK; ++j) {
+          vf k[C];
+          load_row<C>(rows[j] + kh * D, k);
+          vf s = qv[0] * k[0];
+          for (int c = 1; c < C; ++c) s += qv[c] * k[c];
+          a[j] = s;
+        }
+        const vf r = reduce16(a);
+        std::memcpy(scores + h * Lp + l0, &r, sizeof r);
+      }
+    }
+  }
+
+  for (int64_t l = 0; l < std::min(L, AHEAD * BLK); ++l) prefetch_row(vb + slots[l] * row_len, span);
+  for (int64_t h = 0; h < QH; ++h) {  // softmax numerators in place, and 1 / their sum
+    float* s = scores + h * Lp;
+    float m = s[0];
+    for (int64_t l = 1; l < L; ++l) m = std::max(m, s[l]);
+    for (int64_t l = L; l < Lp; ++l) s[l] = m;  // block padding: any finite value, zeroed below
+    for (int64_t l = 0; l < Lp; l += 16) store16(vexp(load16(s + l) - m), s + l);
+    for (int64_t l = L; l < Lp; ++l) s[l] = 0.f;
+    vf sum{};
+    for (int64_t l = 0; l < Lp; l += 16) sum += load16(s + l);
+    float total = 0.f;
+    for (int i = 0; i < 16; ++i) total += sum[i];
+    inv[h] = 1.f / total;
+  }
+
+  for (int64_t i = 0; i < QH * C; ++i) acc[i] = vf{};
+  for (int64_t l0 = 0; l0 < L; l0 += BLK) {  // acc[h] = sum_l p[h, l] v_l
+    const int64_t n = std::min(BLK, L - l0);
+    for (int64_t j = 0; j < n; ++j) rows[j] = vb + slots[l0 + j] * row_len;
+    for (int64_t l = l0 + AHEAD * BLK; l < std::min(L, l0 + (AHEAD + 1) * BLK); ++l)
+      prefetch_row(vb + slots[l] * row_len, span);
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        const float* p = scores + h * Lp + l0;
+        vf a[C];
+        for (int c = 0; c < C; ++c) a[c] = acc[h * C + c];
+        for (int64_t j = 0; j < n; ++j) {
+          vf v[C];
+          load_row<C>(rows[j] + kh * D, v);
+          for (int c = 0; c < C; ++c) a[c] += p[j] * v[c];
+        }
+        for (int c = 0; c < C; ++c) acc[h * C + c] = a[c];
+      }
+    }
+  }
+  for (int64_t h = 0; h < QH; ++h) store_row<C>(acc + h * C, inv[h], out + h * D);
+}
+
+// Query i (of N) attends over the first lens[i] slots of kv_indices[rows[i]] (rows null: row i).
+template <typename T, int C>
+void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                    const at::Tensor& kv_indices, const int64_t* rows, const at::Tensor& lens_t,
+                    at::Tensor& out, double scale) {
+  constexpr int64_t D = 16 * C;
+  const int64_t N = q.size(0), H = q.size(1), Hkv = k_pool.size(1), G = H / Hkv;
+  const int64_t max_kv = kv_indices.size(1), row_len = Hkv * D;  // a slot: [Hkv, D], contiguous
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t* idx = kv_indices.data_ptr<int64_t>();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  // A task is one query and a range of its KV heads: all of them (each slot row read once)
+  // when there are enough queries to keep every thread busy, else one head per task.
+  const int64_t nkv = N >= 2 * at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_query = Hkv / nkv;
+  at::parallel_for(0, N * tasks_per_query, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv;
+    std::vector<vf> acc;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / tasks_per_query, kh0 = (task % tasks_per_query) * nkv, h0 = kh0 * G;
+      const int64_t row = rows ? rows[i] : i;
+      attend<T, C>(qp + (i * H + h0) * D, kp + kh0 * D, vp + kh0 * D, idx + row * max_kv, lens[i],
+                   row_len, nkv, G, static_cast<float>(scale), op + (i * H + h0) * D, scores, acc,
+                   inv);
+    }
+  });
+}
+
+template <typename T>
+void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& idx, const int64_t* rows, const at::Tensor& lens,
+                        at::Tensor& out, double scale) {
+  switch (q.size(2)) {
+    case 16: return attention_impl<T, 1>(q, k, v, idx, rows, lens, out, scale);
+    case 32: return attention_impl<T, 2>(q, k, v, idx, rows, lens, out, scale);
+    case 64: return attention_impl<T, 4>(q, k, v, idx, rows, lens, out, scale);
+    case 80: return attention_impl<T, 5>(q, k, v, idx, rows, lens, out, scale);
+    case 96: return attention_impl<T, 6>(q, k, v, idx, rows, lens, out, scale);
+    case 128: return attention_impl<T, 8>(q, k, v, idx, rows, lens, out, scale);
+    default: TORCH_CHECK(false, "attention: head_dim ", q.size(2), " is not supported");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise steps, over rows of a 2-D tensor
+// ---------------------------------------------------------------------------------------------
+
+// x = rms_norm(x + residual) * weight and residual = x + residual, in place (residual None: only
+// the norm). The sum is rounded to the storage dtype before the norm, as separate ops would.
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
+  const int64_t N = x.size(0), W = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(W);
+    for (int64_t i = begin; i < end; ++i) {
+      T* xr = xp + i * W;
+      float ss = 0.f;
+      for (int64_t j = 0; j < W; ++j) {
+        float v = to_float(xr[j]);
+        if (rp) {
+          from_float(v + to_float(rp[i * W + j]), rp + i * W + j);
+          v = to_float(rp[i * W + j]);
+        }
+        row[j] = v;
+        ss += v * v;
+      }
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(W) + static_cast<float>(eps));
+      // as transformers: normalize in float32, round to the dtype, then scale by the weight
+      for (int64_t j = 0; j < W; ++j) {
+        T normed;
+        from_float(row[j] * r, &normed);
+        from_float(to_float(normed) * to_float(wp[j]), xr + j);
+      }
+    }
+  });
+}
+
+// out[:, j] = silu(x[:, j]) * x[:, I + j] for x [N, 2I]: the gate and up halves of one matmul.
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t N = x.size(0), I = x.size(1) / 2;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* gate = xp + i * 2 * I;
+      const T* up = gate + I;
+      T* o = op + i * I;
+      int64_t j = 0;
+      for (; j + 16 <= I; j += 16) {
+        const vf g = load16(gate + j);
+        // silu is rounded to T on its own first, as F.silu(gate) * up does
+        const vf s = round_to(g / (1.f + vexp(vf{} - g)), o);
+        store16(s * load16(up + j), o + j);
+      }
+      for (; j < I; ++j) {
+        const float g = to_float(gate[j]);
+        T sk;
+        from_float(g / (1.f + std::exp(-g)), &sk);
+        from_float(to_float(sk) * to_float(up[j]), o + j);
+      }
+    }
+  });
+}
+
+// Rotate-half rotary embedding, in place, of the first `heads` heads of every row of x
+// [T, >= heads * D] (the q and k parts of a fused qkv output), at positions[t], with the float32
+// tables cos, sin [max_pos, D / 2].
+template <typename T>
+void rope_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+               const at::Tensor& sin, int64_t heads, int64_t D) {
+  const int64_t N = x.size(0), stride = x.stride(0), half = D / 2;
+  T* xp = x.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * half;
+      const float* s = sp + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = xp + t * stride + h * D;
+        T* x2 = x1 + half;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = to_float(x1[j]), b = to_float(x2[j]);
+          from_float(a * c[j] - b * s[j], x1 + j);
+          from_float(b * c[j] + a * s[j], x2 + j);
+        }
+      }
+    }
+  });
+}
+
+void check_storage(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
+              " must be float32 or bfloat16, not ", t.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                     const at::Tensor& kv_indices, const int64_t* rows, const at::Tensor& lens,
+                     double scale) {
+  check_storage(q, "q");
+  for (const at::Tensor* t : {&k_pool, &v_pool, &kv_indices, &lens})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "attention takes contiguous CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && q.is_contiguous(), "bad ranks");
+  TORCH_CHECK(v_pool.sizes() == k_pool.sizes(), "the K and V pools differ in shape");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
+              "q and the pool differ in dtype");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "heads not a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_pool.size(2), "q and the pool differ in head_dim");
+  TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.scalar_type() == at::kLong &&
+              lens.scalar_type() == at::kLong, "indices must be int64, kv_indices 2-D");
+  TORCH_CHECK(lens.size(0) == q.size(0), "one length per query");
+  // every slot a query reads must lie in the pool: check each row up to its longest query
+  const int64_t B = kv_indices.size(0), max_kv = kv_indices.size(1), S = k_pool.size(0);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  std::vector<int64_t> need(B, 0);
+  for (int64_t i = 0; i < lens.size(0); ++i) {
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= max_kv, "query ", i, " sees ", lp[i],
+                " slots; it must see 1 to ", max_kv);
+    const int64_t row = rows ? rows[i] : i;
+    need[row] = std::max(need[row], lp[i]);
+  }
+  const int64_t* idx = kv_indices.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < need[b]; ++l)
+      TORCH_CHECK(idx[b * max_kv + l] >= 0 && idx[b * max_kv + l] < S, "slot ",
+                  idx[b * max_kv + l], " is outside the pool of ", S);
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    attention_dispatch<float>(q, k_pool, v_pool, kv_indices, rows, lens, out, scale);
+  } else {
+    attention_dispatch<at::BFloat16>(q, k_pool, v_pool, kv_indices, rows, lens, out, scale);
+  }
+  return out;
+}
+
+// One query token per request: q [B, H, D]; k_pool, v_pool [S, Hkv, D] (one layer);
+// kv_indices [B, max_kv] int64; seq_lens [B] int64 (>= 1 each). Returns [B, H, D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& kv_indices, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.size(0) == q.size(0), "one row per request");
+  return attention(q, k_pool, v_pool, kv_indices, nullptr, seq_lens, scale);
+}
+
+// Any number of query tokens per request (prefill; the new tokens' K/V already in the pool):
+// q [T, H, D]; query t belongs to request q_rows[t] (a row of kv_indices [B, max_kv]) and sees
+// its first q_lens[t] slots (its position + 1: causal). Returns [T, H, D].
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& kv_indices, const at::Tensor& q_rows,
+                            const at::Tensor& q_lens, double scale) {
+  TORCH_CHECK(q_rows.device().is_cpu() && q_rows.is_contiguous() &&
+              q_rows.scalar_type() == at::kLong && q_rows.size(0) == q.size(0), "q_rows: [T] int64");
+  const int64_t* rows = q_rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < q_rows.size(0); ++t)
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < kv_indices.size(0), "q_rows out of range");
+  return attention(q, k_pool, v_pool, kv_indices, rows, q_lens, scale);
+}
+
+// In place: residual += x, then x = rms_norm(residual) * weight. x, residual [N, W]; weight [W].
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_storage(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "add_rms_norm_ takes contiguous 2-D rows");
+  TORCH_CHECK(residual.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(residual.sizes() == x.sizes() && weight.size(0) == x.size(1), "shapes differ");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "dtypes differ");
+  if (x.scalar_type() == at::kFloat) add_rms_norm_impl<float>(x, &residual, weight, eps);
+  else add_rms_norm_impl<at::BFloat16>(x, &residual, weight, eps);
+}
+
+// Returns rms_norm(x) * weight. x [N, W]; weight [W].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_storage(x, "x");
+  TORCH_CHECK(x.dim() == 2 && weight.is_contiguous() && weight.size(0) == x.size(1), "bad shapes");
+  TORCH_CHECK(weight.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "dtypes differ");
+  auto out = x.contiguous().clone();
+  if (x.scalar_type() == at::kFloat) add_rms_norm_impl<float>(out, nullptr, weight, eps);
+  else add_rms_norm_impl<at::BFloat16>(out, nullptr, weight, eps);
+  return out;
+}
+
+// x [N, 2I] -> silu(x[:, :I]) * x[:, I:], [N, I].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_storage(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "bad shape");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, out);
+  else silu_and_mul_impl<at::BFloat16>(x, out);
+  return out;
+}
+
+// In place: rotary embedding of heads [0, heads) of each row of x [T, >= heads * head_dim]
+// (row stride free, inner dimension contiguous); positions [T] int64; cos, sin float32.
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+           int64_t heads, int64_t head_dim) {
+  check_storage(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= heads * head_dim, "bad shape");
+  TORCH_CHECK(positions.device().is_cpu() && positions.is_contiguous() &&
+              positions.scalar_type() == at::kLong && positions.size(0) == x.size(0),
+              "positions: [T] int64");
+  TORCH_CHECK(cos.device().is_cpu() && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.scalar_type() == at::kFloat && cos.dim() == 2 && sin.sizes() == cos.sizes() &&
+              cos.size(1) * 2 == head_dim, "bad tables");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " is outside the ",
+                cos.size(0), " positions of the rotary table");
+  if (x.scalar_type() == at::kFloat) rope_impl<float>(x, positions, cos, sin, heads, head_dim);
+  else rope_impl<at::BFloat16>(x, positions, cos, sin, heads, head_dim);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("attention_head_dims") = pybind11::make_tuple(16, 32, 64, 80, 96, 128);  // the switch
+  m.def("decode_attention", &decode_attention);
+  m.def("extend_attention", &extend_attention);
+  m.def("add_rms_norm_", &add_rms_norm_);
+  m.def("rms_norm", &rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("rope_", &rope_);
+}

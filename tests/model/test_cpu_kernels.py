@@ -1,0 +1,185 @@
+"""sluice's C++ CPU kernels against the PyTorch ops they replace, and their wiring into the model
+runner (the end-to-end logits parity in test_parity.py runs with and without them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sluice.model import kernels
+from sluice.model.layers import PagedAttention, RMSNorm, RotaryEmbedding, _rotate
+from sluice.model.model_config import ModelConfig
+from sluice.model.models.llama import LlamaMLP
+from sluice.model.runner import ModelRunner
+
+SLOTS = 4096
+TOLERANCES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = kernels.cpu_ops()
+    assert ops is not None, "the CPU kernels did not build (see the warning log)"
+    return ops
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The attention kernels split work by query when there are at least two per thread, else
+    by (query, KV head): the tests' query counts take both ways under one thread and two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _reference(q, k_pool, v_pool, indices, lens, scale) -> torch.Tensor:
+    """Per request: SDPA of its one query over its first lens[b] slots, in float32."""
+    rows = []
+    for b in range(q.shape[0]):
+        slots = indices[b, : lens[b]]
+        k, v = k_pool[slots].float().transpose(0, 1), v_pool[slots].float().transpose(0, 1)
+        qb = q[b].float().unsqueeze(1)  # [H, 1, D]
+        out = F.scaled_dot_product_attention(
+            qb, k, v, scale=scale, enable_gqa=q.shape[1] != k_pool.shape[1]
+        )
+        rows.append(out.squeeze(1))
+    return torch.stack(rows)  # [B, H, D]
+
+
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128])
+@pytest.mark.parametrize("lens", [[1, 7, 130, 64, 255], [300]], ids=["batch", "one"])
+def test_decode_attention_matches_sdpa(
+    ops, threads, dtype, atol, num_heads, num_kv_heads, head_dim, lens
+) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads + head_dim)
+    k_pool = torch.randn(SLOTS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(SLOTS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    indices = torch.zeros(len(lens), max(lens), dtype=torch.int64)  # 0-padded, like the runner's
+    for b, n in enumerate(lens):  # scattered slots, as decode leaves them
+        indices[b, :n] = torch.randperm(SLOTS - 1, generator=gen)[:n] + 1
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype) * 3
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    out = ops.decode_attention(q, k_pool, v_pool, indices, seq_lens, head_dim**-0.5)
+    want = _reference(q, k_pool, v_pool, indices, lens, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+@pytest.mark.parametrize(
+    ("prefix", "extend"), [([40, 0, 3], [5, 17, 1]), ([30], [1])], ids=["three", "one-token"]
+)
+def test_extend_attention_is_causal_over_each_requests_slots(
+    ops, threads, dtype, atol, prefix, extend
+) -> None:
+    """Requests extend at once (e.g. 5 new tokens on a 40-token prefix, a fresh 17-token prompt,
+    one token on 3); every query sees its request's slots up to its own position."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d = 9, 3, 64
+    k_pool = torch.randn(SLOTS, kv_heads, d, generator=gen).to(dtype)
+    v_pool = torch.randn(SLOTS, kv_heads, d, generator=gen).to(dtype)
+    total = [p + e for p, e in zip(prefix, extend, strict=True)]
+    indices = torch.zeros(len(total), max(total), dtype=torch.int64)
+    for b, n in enumerate(total):
+        indices[b, :n] = torch.randperm(SLOTS - 1, generator=gen)[:n] + 1
+    rows = torch.repeat_interleave(torch.arange(len(total)), torch.tensor(extend))
+    q_lens = torch.cat([torch.arange(p, p + e) + 1 for p, e in zip(prefix, extend, strict=True)])
+    q = torch.randn(len(rows), heads, d, generator=gen).to(dtype) * 3
+    out = ops.extend_attention(q, k_pool, v_pool, indices, rows, q_lens, d**-0.5)
+    want = _reference(q, k_pool, v_pool, indices[rows], q_lens.tolist(), d**-0.5)
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
+    last = max(total)
+    short = indices[:, : last - 1].contiguous()
+    with pytest.raises(RuntimeError, match=f"sees {last} slots; it must see 1 to {last - 1}"):
+        ops.extend_attention(q, k_pool, v_pool, short, rows, q_lens, d**-0.5)
+
+
+def test_decode_attention_refuses_mismatched_inputs(ops) -> None:
+    q = torch.zeros(2, 4, 64)
+    pool = torch.zeros(16, 4, 64, dtype=torch.bfloat16)
+    idx, lens = torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.decode_attention(q, pool, pool, idx, lens, 1.0)
+    odd = torch.zeros(16, 4, 24)
+    with pytest.raises(RuntimeError, match="head_dim 24"):
+        ops.decode_attention(torch.zeros(2, 4, 24), odd, odd, idx, lens, 1.0)
+    pool = torch.zeros(16, 4, 64)
+    with pytest.raises(RuntimeError, match="slot 16 is outside the pool of 16"):
+        ops.decode_attention(q, pool, pool, torch.full((2, 3), 16), lens, 1.0)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        ops.decode_attention(q, pool, torch.zeros(16, 2, 64), idx, lens, 1.0)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+def test_rms_norm_and_fused_residual_add_match_pytorch(ops, dtype, atol) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 576, generator=gen) * 4).to(dtype)
+    residual = torch.randn(37, 576, generator=gen).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype) + 0.5
+    want = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5).float(), want, atol=atol, rtol=atol)
+
+    summed = x + residual  # rounded to the dtype, as the model's residual stream is
+    want = F.rms_norm(summed.float(), (576,), weight.float(), 1e-5)
+    out, res = x.clone(), residual.clone()
+    ops.add_rms_norm_(out, res, weight, 1e-5)
+    assert torch.equal(res, summed)
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+@pytest.mark.parametrize("width", [1536, 40])  # SmolLM2's, and one with a tail past 16 lanes
+def test_silu_and_mul_matches_pytorch(ops, dtype, atol, width) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(9, 2 * width, generator=gen) * 6).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    out = ops.silu_and_mul(x)
+    assert out.shape == (9, width) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops, dtype, atol) -> None:
+    rope = RotaryEmbedding(64, 2048, 10000.0, None)
+    heads, kv_heads, d = 9, 3, 64
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(11, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 5, 100, 2047, 7, 7, 3, 64, 65, 999])
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    qk = qkv[:, : (heads + kv_heads) * d].float().view(11, heads + kv_heads, d)
+    want = _rotate(qk, cos, sin).view(11, -1)
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    ops.rope_(qkv, positions, rope.cos, rope.sin, heads + kv_heads, d)
+    torch.testing.assert_close(qkv[:, : (heads + kv_heads) * d].float(), want, atol=atol, rtol=atol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)
+    with pytest.raises(RuntimeError, match="position 2048 is outside"):
+        ops.rope_(qkv, torch.full((11,), 2048), rope.cos, rope.sin, heads + kv_heads, d)
+
+
+def _modules_with_ops(runner: ModelRunner) -> dict[type, list]:
+    found: dict[type, list] = {}
+    for module in runner.model.modules():
+        if hasattr(type(module), "cpu_ops"):
+            found.setdefault(type(module), []).append(module.cpu_ops)
+    return found
+
+
+def test_runner_hands_the_kernels_to_every_layer(tiny_llama_dir: str, ops) -> None:
+    runner = ModelRunner(
+        ModelConfig.from_hf_dir(tiny_llama_dir), torch.device("cpu"), torch.float32, kv_size=64
+    )
+    found = _modules_with_ops(runner)
+    assert set(found) == {PagedAttention, RMSNorm, RotaryEmbedding, LlamaMLP}
+    assert all(o is ops for held in found.values() for o in held)
+
+
+def test_float16_on_cpu_keeps_the_pytorch_path(tiny_llama_dir: str) -> None:
+    runner = ModelRunner(
+        ModelConfig.from_hf_dir(tiny_llama_dir), torch.device("cpu"), torch.float16, kv_size=64
+    )
+    found = _modules_with_ops(runner)
+    assert found and all(o is None for held in found.values() for o in held)

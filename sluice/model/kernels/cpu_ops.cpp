@@ -151,10 +151,14 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
+// Every cache line of a row, into L2 (prefetcht2): decode rows are scattered over the pool,
+// and prefetching them into L2 rather than L1 keeps more misses in flight: attention over 64
+// requests of ~200 slots ran 1.3x faster than with prefetcht0, and one request of 2000, 1.8x.
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64)
+    __builtin_prefetch(c + i, 0, 1);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ class ServingRerank:
         if isinstance(self._yes_no, APIError):
             raise self._yes_no
         assert self._yes_no is not None  # found at start for the one decoder
-        prompts = await decoder.in_tokenizer_thread(
+        prompts = await decoder.tokenize_for_call(
             rerank_prompt_ids, decoder.tokenizer, query, texts, decoder.context_len
         )
         logprobs, num_tokens = await decoder.score_labels(prompts, self._yes_no, "documents")

@@ -160,6 +160,10 @@ class EmbeddingManager:
         self.is_healthy = True
         self.shutting_down = False  # set by begin_shutdown: new calls get 503
         self.pending: dict[str, asyncio.Future[tuple[bytes, int, FinishReason]]] = {}
+        # abort_all() ends calls still in the tokenizer thread too (tokenize_for_call)
+        self._tokenizing = 0
+        self._abort_generation = 0
+        self._abort_error: tuple[str, int, str] = ("", 0, "")  # message, status, code
         self._send = send
         self._reply_to = reply_to
         self._admit = admit
@@ -186,8 +190,12 @@ class EmbeddingManager:
 
     def abort_all(self, status: int, code: str, message: str, reason: str = "client") -> int:
         """End every pending call now: its futures raise RequestError(message, status, code),
-        and the scheduler gets AbortReqs (`reason`: "client" | "shutdown") for their rids.
-        Returns the number of rids ended (0: nothing sent)."""
+        and the scheduler gets AbortReqs (`reason`: "client" | "shutdown") for their rids. Calls
+        still being tokenized end with the same error once that is done, sending nothing.
+        Returns the number ended: pending rids plus calls being tokenized."""
+        self._abort_generation += 1
+        self._abort_error = (message, status, code)
+        tokenizing = self._tokenizing
         rids = list(self.pending)
         for fut in self.pending.values():
             if not fut.done():
@@ -195,7 +203,7 @@ class EmbeddingManager:
         self.pending.clear()
         if rids and self.is_healthy:
             self._send_aborts(rids, reason)
-        return len(rids)
+        return len(rids) + tokenizing
 
     def _send_aborts(self, rids: list[str], reason: str) -> None:
         if self.is_decoder:  # its scheduler's abort_all would end generation requests too
@@ -212,7 +220,7 @@ class EmbeddingManager:
         """One float32 vector per input, in order, and the number of prompt tokens."""
         if not inputs:
             raise RequestError("input must not be empty", param="input")
-        encoded = await self.in_tokenizer_thread(self._encode_inputs, inputs, truncate, "input")
+        encoded = await self.tokenize_for_call(self._encode_inputs, inputs, truncate, "input")
         return await self.run(encoded)
 
     async def score_labels(
@@ -226,13 +234,13 @@ class EmbeddingManager:
                 param="model",
             )
         self._validate_labels(label_token_ids)
-        encoded = await self.in_tokenizer_thread(self._encode_inputs, prompts, None, param)
+        encoded = await self.tokenize_for_call(self._encode_inputs, prompts, None, param)
         return await self.run(encoded, list(label_token_ids), param)
 
     async def score_pairs(self, query: str, documents: list[str]) -> tuple[list[float], int]:
         """A cross-encoder's score of (query, document) for each document; documents that do
         not fit the context with the query are truncated."""
-        encoded = await self.in_tokenizer_thread(self._encode_pairs, query, documents)
+        encoded = await self.tokenize_for_call(self._encode_pairs, query, documents)
         vectors, num_tokens = await self.run(encoded)
         return [float(v[0] if len(v) == 1 else v[-1]) for v in vectors], num_tokens
 
@@ -364,6 +372,20 @@ class EmbeddingManager:
     async def in_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` on the one thread that may use this manager's tokenizer."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def tokenize_for_call(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in the tokenizer thread for a call that then runs: if abort_all() ends
+        the pending calls meanwhile, this one ends with them (RequestError) instead of starting."""
+        generation = self._abort_generation
+        self._tokenizing += 1
+        try:
+            result = await self.in_tokenizer_thread(fn, *args)
+        finally:
+            self._tokenizing -= 1
+        if generation != self._abort_generation:
+            message, status, code = self._abort_error
+            raise RequestError(message, status_code=status, code=code)
+        return result
 
     def _check_healthy(self) -> None:
         if not self.is_healthy:

@@ -5,6 +5,7 @@ while shutting down."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,44 @@ def test_output_after_abort_all_is_dropped_and_later_calls_work() -> None:
         manager.on_output(output(rids, vec, FinishReason(type="stop")))
         vectors, num_tokens = await asyncio.wait_for(task, 5)
         assert num_tokens == 6 and [v.tolist() for v in vectors] == [[1.0, 2.0]] * 2
+
+    asyncio.run(go())
+
+
+def test_abort_all_ends_a_call_still_being_tokenized() -> None:
+    """abort_all() lands while a call's inputs are in the tokenizer thread: the call ends with
+    the same error once tokenized and never reaches the scheduler; a later call runs."""
+
+    async def go() -> None:
+        manager, sent = make_manager("embed")
+        started, release = threading.Event(), threading.Event()
+        encode = manager._encode_inputs
+
+        def slow_encode(*args: Any) -> Any:
+            started.set()
+            release.wait(5)
+            return encode(*args)
+
+        manager._encode_inputs = slow_encode  # type: ignore[method-assign]
+        task = asyncio.create_task(manager.embed([[1, 2, 3], [4, 5]]))
+        assert await asyncio.to_thread(started.wait, 5)
+        assert manager.abort_all(499, "request_aborted", "the request was aborted") == 1
+        release.set()
+        (err,) = await results([task])
+        assert isinstance(err, RequestError) and (err.status_code, err.code) == (
+            499,
+            "request_aborted",
+        )
+        assert sent == [] and manager.pending == {}
+        task = asyncio.create_task(manager.embed([[1, 2, 3]]))
+        for _ in range(100):
+            if manager.pending:
+                break
+            await asyncio.sleep(0.01)
+        vec = np.array([1.0, 2.0], dtype="<f4").tobytes()
+        manager.on_output(output(sent_rids(sent), vec, FinishReason(type="stop")))
+        vectors, _ = await asyncio.wait_for(task, 5)
+        assert [v.tolist() for v in vectors] == [[1.0, 2.0]]
 
     asyncio.run(go())
 

@@ -4,8 +4,9 @@
 // PyTorch ops they replace.
 //
 // Storage is float32 or bfloat16; arithmetic is float32 throughout. Vectors are GCC/Clang
-// vector extensions of 16 floats: one AVX-512 register where the CPU has them, two AVX2 ones
-// elsewhere (the build is -march=native). Work is split over torch's thread pool.
+// vector extensions of W floats, one register: W = 16 where the CPU has AVX-512, else 8 (the
+// build is -march=native; 16-lane vectors split over AVX2 registers ran 1.7x slower than the
+// 8-lane ones). Work is split over torch's thread pool.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,12 +19,19 @@
 // load_row() splits bfloat16 pairs by the halves of a 32-bit word
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian CPUs only");
 
+#if defined(__AVX512F__)
+#define SLUICE_LANES 16
+#else
+#define SLUICE_LANES 8
+#endif
+
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));     // 16 floats
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));  // 16 bfloat16 bit patterns
+constexpr int W = SLUICE_LANES;  // floats per vector
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));  // W bfloat16 bit patterns
 
 inline vf bits_to_float(vu w) {
   vf v;
@@ -37,14 +45,14 @@ inline void from_float(float x, float* p) { *p = x; }
 inline void from_float(float x, at::BFloat16* p) { *p = at::BFloat16(x); }  // round to nearest
 
 // ---------------------------------------------------------------------------------------------
-// Rows of D = 16 * C values as C vectors. float32 keeps their order. bfloat16 reads each 32
-// values as 16 32-bit words and splits them into the even and the odd values (a shift and a
+// Rows of D = W * C values as C vectors. float32 keeps their order. bfloat16 reads each 2W
+// values as W 32-bit words and splits them into the even and the odd values (a shift and a
 // mask, no shuffles), so the lanes hold a fixed permutation of the row, the same for q, K and V:
 // dot products are unchanged, and store_row() puts the output back in order.
 // ---------------------------------------------------------------------------------------------
 template <int C>
 inline void load_row(const float* p, vf* v) {
-  for (int c = 0; c < C; ++c) std::memcpy(&v[c], p + 16 * c, sizeof(vf));
+  for (int c = 0; c < C; ++c) std::memcpy(&v[c], p + W * c, sizeof(vf));
 }
 
 template <int C>
@@ -52,13 +60,13 @@ inline void load_row(const at::BFloat16* p, vf* v) {
   int c = 0;
   for (; c + 1 < C; c += 2) {
     vu w;
-    std::memcpy(&w, p + 16 * c, sizeof w);
+    std::memcpy(&w, p + W * c, sizeof w);
     v[c] = bits_to_float(w << 16);
     v[c + 1] = bits_to_float(w & 0xffff0000u);
   }
   if (c < C) {
     vh h;
-    std::memcpy(&h, p + 16 * c, sizeof h);
+    std::memcpy(&h, p + W * c, sizeof h);
     v[c] = bits_to_float(__builtin_convertvector(h, vu) << 16);
   }
 }
@@ -66,34 +74,34 @@ inline void load_row(const at::BFloat16* p, vf* v) {
 template <int C>
 inline void store_row(const vf* v, float scale, float* p) {
   for (int c = 0; c < C; ++c)
-    for (int i = 0; i < 16; ++i) p[16 * c + i] = v[c][i] * scale;
+    for (int i = 0; i < W; ++i) p[W * c + i] = v[c][i] * scale;
 }
 
 template <int C>
 inline void store_row(const vf* v, float scale, at::BFloat16* p) {
   int c = 0;
   for (; c + 1 < C; c += 2)
-    for (int i = 0; i < 16; ++i) {
-      p[16 * c + 2 * i] = at::BFloat16(v[c][i] * scale);
-      p[16 * c + 2 * i + 1] = at::BFloat16(v[c + 1][i] * scale);
+    for (int i = 0; i < W; ++i) {
+      p[W * c + 2 * i] = at::BFloat16(v[c][i] * scale);
+      p[W * c + 2 * i + 1] = at::BFloat16(v[c + 1][i] * scale);
     }
   if (c < C)
-    for (int i = 0; i < 16; ++i) p[16 * c + i] = at::BFloat16(v[c][i] * scale);
+    for (int i = 0; i < W; ++i) p[W * c + i] = at::BFloat16(v[c][i] * scale);
 }
 
-// 16 consecutive values, in order
-inline vf load16(const float* p) {
+// W consecutive values, in order
+inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline vf load16(const at::BFloat16* p) {
+inline vf load(const at::BFloat16* p) {
   vh h;
   std::memcpy(&h, p, sizeof h);
   return bits_to_float(__builtin_convertvector(h, vu) << 16);
 }
-inline void store16(vf v, float* p) { std::memcpy(p, &v, sizeof v); }
-inline void store16(vf v, at::BFloat16* p) {  // round to nearest even, as at::BFloat16 does
+inline void store(vf v, float* p) { std::memcpy(p, &v, sizeof v); }
+inline void store(vf v, at::BFloat16* p) {  // round to nearest even, as at::BFloat16 does
   vu w;
   std::memcpy(&w, &v, sizeof w);
   const vu rounded = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
@@ -104,14 +112,15 @@ inline void store16(vf v, at::BFloat16* p) {  // round to nearest even, as at::B
 // what storing to T and loading back gives: rounding to T's precision
 inline vf round_to(vf v, const float*) { return v; }
 inline vf round_to(vf v, const at::BFloat16*) {
-  at::BFloat16 tmp[16];
-  store16(v, tmp);
-  return load16(tmp);
+  at::BFloat16 tmp[W];
+  store(v, tmp);
+  return load(tmp);
 }
 
-// Lane j of the result is the sum of the 16 lanes of a[j]: a transposing tree of 30 two-source
-// shuffles and 15 adds, instead of 16 separate horizontal sums.
-inline vf reduce16(const vf* a) {
+// Lane j of the result is the sum of the W lanes of a[j]: a transposing tree of two-source
+// shuffles and adds (30 and 15 for W = 16), instead of W separate horizontal sums.
+#if SLUICE_LANES == 16
+inline vf reduce(const vf* a) {
   vf r1[8], r2[4], r3[2];
   for (int i = 0; i < 8; ++i)
     r1[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1],
@@ -133,6 +142,19 @@ inline vf reduce16(const vf* a) {
          __builtin_shufflevector(r3[0], r3[1],
                                  1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline vf reduce(const vf* a) {
+  vf r1[4], r2[2];
+  for (int i = 0; i < 4; ++i)
+    r1[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    r2[i] = __builtin_shufflevector(r1[2 * i], r1[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+            __builtin_shufflevector(r1[2 * i], r1[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(r2[0], r2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(r2[0], r2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 // e^x, x clamped to [-87, 88]: 2^t = 2^n * 2^f with n the integer nearest t = x log2(e), so
 // |f| <= 1/2, and 2^f = e^(f ln 2) by its Taylor series to degree 6 (relative error < 2e-7,
@@ -166,8 +188,8 @@ inline void prefetch_row(const T* p, int64_t n) {
 // * scale) . V over the first lens[i] slots of query i's request. Query head h uses KV head h / G
 // (grouped-query attention). Each query is done on its own, in float32.
 // ---------------------------------------------------------------------------------------------
-constexpr int64_t BLK = 16;   // slots per block (one reduce16)
-constexpr int64_t AHEAD = 2;  // blocks of rows prefetched ahead
+constexpr int64_t BLK = W;  // slots per block (one reduce)
+constexpr int64_t AHEAD = 32 / W;  // blocks of rows prefetched ahead: 32 rows
 
 // KV heads [kh0, kh0 + nkv) of one request: q, out point at its first query head, kb, vb at
 // the KV head's part of slot 0. Scratch: scores [QH, L rounded up to BLK], acc [QH, C] + 1 / sum.
@@ -175,7 +197,7 @@ template <typename T, int C>
 void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L,
             int64_t row_len, int64_t nkv, int64_t G, float scale, T* out,
             std::vector<float>& scores_buf, std::vector<vf>& acc_buf, std::vector<float>& inv) {
-  constexpr int64_t D = 16 * C;
+  constexpr int64_t D = W * C;
   const int64_t QH = nkv * G, Lp = (L + BLK - 1) / BLK * BLK, span = nkv * D;
   scores_buf.resize(QH * Lp);
   acc_buf.resize(QH * C);
@@ -206,7 +228,7 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
           for (int c = 1; c < C; ++c) s += qv[c] * k[c];
           a[j] = s;
         }
-        const vf r = reduce16(a);
+        const vf r = reduce(a);
         std::memcpy(scores + h * Lp + l0, &r, sizeof r);
       }
     }
@@ -218,12 +240,12 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
     float m = s[0];
     for (int64_t l = 1; l < L; ++l) m = std::max(m, s[l]);
     for (int64_t l = L; l < Lp; ++l) s[l] = m;  // block padding: any finite value, zeroed below
-    for (int64_t l = 0; l < Lp; l += 16) store16(vexp(load16(s + l) - m), s + l);
+    for (int64_t l = 0; l < Lp; l += W) store(vexp(load(s + l) - m), s + l);
     for (int64_t l = L; l < Lp; ++l) s[l] = 0.f;
     vf sum{};
-    for (int64_t l = 0; l < Lp; l += 16) sum += load16(s + l);
+    for (int64_t l = 0; l < Lp; l += W) sum += load(s + l);
     float total = 0.f;
-    for (int i = 0; i < 16; ++i) total += sum[i];
+    for (int i = 0; i < W; ++i) total += sum[i];
     inv[h] = 1.f / total;
   }
 
@@ -256,7 +278,7 @@ template <typename T, int C>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                     const at::Tensor& kv_indices, const int64_t* rows, const at::Tensor& lens_t,
                     at::Tensor& out, double scale) {
-  constexpr int64_t D = 16 * C;
+  constexpr int64_t D = W * C;
   const int64_t N = q.size(0), H = q.size(1), Hkv = k_pool.size(1), G = H / Hkv;
   const int64_t max_kv = kv_indices.size(1), row_len = Hkv * D;  // a slot: [Hkv, D], contiguous
   const T* qp = q.data_ptr<T>();
@@ -286,13 +308,13 @@ template <typename T>
 void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& idx, const int64_t* rows, const at::Tensor& lens,
                         at::Tensor& out, double scale) {
-  switch (q.size(2)) {
-    case 16: return attention_impl<T, 1>(q, k, v, idx, rows, lens, out, scale);
-    case 32: return attention_impl<T, 2>(q, k, v, idx, rows, lens, out, scale);
-    case 64: return attention_impl<T, 4>(q, k, v, idx, rows, lens, out, scale);
-    case 80: return attention_impl<T, 5>(q, k, v, idx, rows, lens, out, scale);
-    case 96: return attention_impl<T, 6>(q, k, v, idx, rows, lens, out, scale);
-    case 128: return attention_impl<T, 8>(q, k, v, idx, rows, lens, out, scale);
+  switch (q.size(2)) {  // template argument: vectors per head
+    case 16: return attention_impl<T, 16 / W>(q, k, v, idx, rows, lens, out, scale);
+    case 32: return attention_impl<T, 32 / W>(q, k, v, idx, rows, lens, out, scale);
+    case 64: return attention_impl<T, 64 / W>(q, k, v, idx, rows, lens, out, scale);
+    case 80: return attention_impl<T, 80 / W>(q, k, v, idx, rows, lens, out, scale);
+    case 96: return attention_impl<T, 96 / W>(q, k, v, idx, rows, lens, out, scale);
+    case 128: return attention_impl<T, 128 / W>(q, k, v, idx, rows, lens, out, scale);
     default: TORCH_CHECK(false, "attention: head_dim ", q.size(2), " is not supported");
   }
 }
@@ -346,11 +368,11 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const T* up = gate + I;
       T* o = op + i * I;
       int64_t j = 0;
-      for (; j + 16 <= I; j += 16) {
-        const vf g = load16(gate + j);
+      for (; j + W <= I; j += W) {
+        const vf g = load(gate + j);
         // silu is rounded to T on its own first, as F.silu(gate) * up does
         const vf s = round_to(g / (1.f + vexp(vf{} - g)), o);
-        store16(s * load16(up + j), o + j);
+        store(s * load(up + j), o + j);
       }
       for (; j < I; ++j) {
         const float g = to_float(gate[j]);

@@ -3,8 +3,9 @@
 Runs `PagedAttention` (9 heads, 3 KV heads, head_dim 64) over a 30-layer KV pool both ways in
 one process: with sluice's C++ kernels (`sluice.model.kernels.cpu_ops()`), and with PyTorch ops
 (the slots gathered, then `scaled_dot_product_attention`), which is what runs where the kernels
-cannot be built. Decode steps read slots scattered the way decoding leaves them; a prefill of
-several prompts runs the extend kernel. Prints ms per 30-layer step for each and their ratio.
+cannot be built. Decode steps read slots interleaved the way decoding leaves them, at uneven
+lengths; a prefill of several prompts runs the extend kernel. Prints ms per 30-layer step for
+each and their ratio.
 
     .venv/bin/python benchmarks/cpu_attention.py [--threads 2] [--dtype float32,bfloat16]
 """
@@ -26,12 +27,16 @@ CPU = torch.device("cpu")
 
 
 def decode_case(batch: int, context: int) -> tuple[ForwardBatch, int]:
-    """A decode step of `batch` requests with `context` slots each, interleaved: slot l of
-    request b is 1 + l * batch + b, as one token per request per step allocates them."""
+    """A decode step of `batch` requests of up to `context` slots (request b has b % 8 fewer,
+    so the PyTorch path masks padding as in real batches). Slots interleave the way one token
+    per request per step allocates them: slot l of request b is 1 + l * batch + b (a lone
+    request's slots are consecutive)."""
     slots = 1 + torch.arange(context)[None, :] * batch + torch.arange(batch)[:, None]
+    lens = [context - b % 8 for b in range(batch)]
     fb = ForwardBatch.build(
-        ForwardMode.DECODE, [0] * batch, [context - 1] * batch, [1] * batch, slots[:, -1],
-        slots, list(range(batch)), list(range(batch)), CPU,
+        ForwardMode.DECODE, [0] * batch, [n - 1 for n in lens], [1] * batch,
+        slots[torch.arange(batch), torch.tensor(lens) - 1], slots, list(range(batch)),
+        list(range(batch)), CPU,
     )  # fmt: skip
     return fb, batch * context + 1
 

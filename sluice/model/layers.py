@@ -172,7 +172,8 @@ class PagedAttention(nn.Module):
     PyTorch's SDPA, whose blocked matmuls are faster there; so does CUDA."""
 
     # the kernel takes a prefill when less than this share of the padded attention is real:
-    # measured on SmolLM2's shapes, SDPA is 1.4-2.8x slower at 0.5 and up to 1.4x faster at 0.75+
+    # measured on SmolLM2's shapes on a Zen 4 (16-lane build), SDPA is 1.4-2.8x slower at 0.5
+    # and up to 1.4x faster at 0.75 and above
     KERNEL_MAX_MASK_DENSITY = 0.7
 
     cpu_ops: Any | None = None  # as RMSNorm.cpu_ops, where the kernel takes this head_dim

@@ -282,7 +282,8 @@ def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def abort_request(request: Request) -> dict[str, Any]:
         """Idempotent: an unknown or finished rid is not an error (num_aborted is 0).
         `abort_all` also ends every pooled request (embeddings, scores, rerank) of every model
-        with 499 "request_aborted"; num_aborted counts rids (one per input)."""
+        with 499 "request_aborted"; num_aborted counts rids (one per input), and one for each
+        pooled call whose inputs were still being tokenized."""
         req = await parse_body(request, AbortRequest)
         num = int(await tm.abort_request(rid=req.rid, abort_all=req.abort_all) or 0)
         if req.abort_all:

@@ -192,7 +192,8 @@ class EmbeddingManager:
         """End every pending call now: its futures raise RequestError(message, status, code),
         and the scheduler gets AbortReqs (`reason`: "client" | "shutdown") for their rids. Calls
         still being tokenized end with the same error once that is done, sending nothing.
-        Returns the number ended: pending rids plus calls being tokenized."""
+        Returns the number ended: pending rids (one per input) plus calls being tokenized (one
+        each: their inputs are not counted yet)."""
         self._abort_generation += 1
         self._abort_error = (message, status, code)
         tokenizing = self._tokenizing
@@ -380,6 +381,10 @@ class EmbeddingManager:
         self._tokenizing += 1
         try:
             result = await self.in_tokenizer_thread(fn, *args)
+        except RequestError:
+            if generation == self._abort_generation:
+                raise
+            result = None  # counted as aborted: it ends as such, not with its own 400
         finally:
             self._tokenizing -= 1
         if generation != self._abort_generation:

@@ -332,7 +332,8 @@ class TokenizerManager:
         """Abort one request (its rid, or the rid the client gave a batch / n > 1 request) or
         all, in any phase; each finishes at once with finish_reason type "abort" and the
         output it had. Idempotent: an unknown or finished rid is ignored. Returns how many
-        rids were aborted. `abort_all` ends the decoder's pooled requests too (499)."""
+        rids were aborted. `abort_all` ends the decoder's pooled requests too (499), counted as
+        in EmbeddingManager.abort_all."""
         if not abort_all and not rid:
             raise RequestError("give a rid or abort_all", param="rid")
         states = [s for s in self.rid_to_state.values() if abort_all or rid in (s.rid, s.group_rid)]

@@ -52,7 +52,9 @@ def cpu_ops() -> Any | None:
         return None
 
 
-def _build(name: str, source: Path) -> Any:
+def _build(name: str, source: Path, extra_cflags: tuple[str, ...] = ()) -> Any:
+    """Compile (or reuse) `source` as the Python module `name`; the tests also build a variant
+    with `-DSLUICE_LANES=8`, the vector width of CPUs without AVX-512."""
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: use the pip package's
@@ -71,8 +73,8 @@ def _build(name: str, source: Path) -> Any:
             logger.info("building the CPU kernels %s (once per machine, ~30 s)", name)
         start = time.perf_counter()
         module = load(
-            name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir), verbose=False,
+            name=name, sources=[str(source)], extra_cflags=[*CFLAGS, *extra_cflags],
+            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False,
         )  # fmt: skip
     if fresh:
         logger.info("built %s in %.1f s", name, time.perf_counter() - start)

@@ -4,9 +4,10 @@
 // PyTorch ops they replace.
 //
 // Storage is float32 or bfloat16; arithmetic is float32 throughout. Vectors are GCC/Clang
-// vector extensions of W floats, one register: W = 16 where the CPU has AVX-512, else 8 (the
-// build is -march=native; 16-lane vectors split over AVX2 registers ran 1.7x slower than the
-// 8-lane ones). Work is split over torch's thread pool.
+// vector extensions of W floats, one AVX-512 or AVX2 register: W = 16 where the CPU has AVX-512,
+// else 8 (the build is -march=native; 16-lane vectors split over AVX2 registers ran 1.7x slower
+// than 8-lane ones; -DSLUICE_LANES=8 forces 8, which the tests build too). Work is split over
+// torch's thread pool.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,11 +20,14 @@
 // load_row() splits bfloat16 pairs by the halves of a 32-bit word
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian CPUs only");
 
+#ifndef SLUICE_LANES
 #if defined(__AVX512F__)
 #define SLUICE_LANES 16
 #else
 #define SLUICE_LANES 8
 #endif
+#endif
+static_assert(SLUICE_LANES == 8 || SLUICE_LANES == 16, "SLUICE_LANES: 8 or 16");
 
 namespace {
 
@@ -173,9 +177,9 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
-// Every cache line of a row, into L2 (prefetcht2): decode rows are scattered over the pool,
-// and prefetching them into L2 rather than L1 keeps more misses in flight: attention over 64
-// requests of ~200 slots ran 1.3x faster than with prefetcht0, and one request of 2000, 1.8x.
+// Every cache line of a row, with locality 1 (prefetcht2 on x86) rather than 3 (prefetcht0):
+// decode rows are scattered over the pool, and on the AMD Zen 4 this was measured on, attention
+// over 64 requests of ~200 interleaved slots ran 1.3x faster, one request of 2000 slots 1.8x.
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -327,27 +331,27 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // the norm). The sum is rounded to the storage dtype before the norm, as separate ops would.
 template <typename T>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
-  const int64_t N = x.size(0), W = x.size(1);
+  const int64_t N = x.size(0), width = x.size(1);
   T* xp = x.data_ptr<T>();
   T* rp = residual ? residual->data_ptr<T>() : nullptr;
   const T* wp = weight.data_ptr<T>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(W);
+    std::vector<float> row(width);
     for (int64_t i = begin; i < end; ++i) {
-      T* xr = xp + i * W;
+      T* xr = xp + i * width;
       float ss = 0.f;
-      for (int64_t j = 0; j < W; ++j) {
+      for (int64_t j = 0; j < width; ++j) {
         float v = to_float(xr[j]);
         if (rp) {
-          from_float(v + to_float(rp[i * W + j]), rp + i * W + j);
-          v = to_float(rp[i * W + j]);
+          from_float(v + to_float(rp[i * width + j]), rp + i * width + j);
+          v = to_float(rp[i * width + j]);
         }
         row[j] = v;
         ss += v * v;
       }
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(W) + static_cast<float>(eps));
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
       // as transformers: normalize in float32, round to the dtype, then scale by the weight
-      for (int64_t j = 0; j < W; ++j) {
+      for (int64_t j = 0; j < width; ++j) {
         T normed;
         from_float(row[j] * r, &normed);
         from_float(to_float(normed) * to_float(wp[j]), xr + j);
@@ -418,8 +422,6 @@ void check_storage(const at::Tensor& t, const char* what) {
               " must be float32 or bfloat16, not ", t.scalar_type());
 }
 
-}  // namespace
-
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& kv_indices, const int64_t* rows, const at::Tensor& lens,
                      double scale) {
@@ -481,7 +483,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   return attention(q, k_pool, v_pool, kv_indices, rows, q_lens, scale);
 }
 
-// In place: residual += x, then x = rms_norm(residual) * weight. x, residual [N, W]; weight [W].
+// In place: residual += x, then x = rms_norm(residual) * weight. x, residual [N, H]; weight [H].
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_storage(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
@@ -494,7 +496,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
   else add_rms_norm_impl<at::BFloat16>(x, &residual, weight, eps);
 }
 
-// Returns rms_norm(x) * weight. x [N, W]; weight [W].
+// Returns rms_norm(x) * weight. x [N, H]; weight [H].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_storage(x, "x");
   TORCH_CHECK(x.dim() == 2 && weight.is_contiguous() && weight.size(0) == x.size(1), "bad shapes");
@@ -535,6 +537,8 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
   if (x.scalar_type() == at::kFloat) rope_impl<float>(x, positions, cos, sin, heads, head_dim);
   else rope_impl<at::BFloat16>(x, positions, cos, sin, heads, head_dim);
 }
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("attention_head_dims") = pybind11::make_tuple(16, 32, 64, 80, 96, 128);  // the switch

@@ -60,11 +60,16 @@ def _reference(q, k_pool, v_pool, indices, lens, scale) -> torch.Tensor:
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128])
-@pytest.mark.parametrize("lens", [[1, 7, 130, 64, 255], [300]], ids=["batch", "one"])
+@pytest.mark.parametrize(
+    "lens",
+    [[1, 7, 130, 64, 255], [300], [1000], [700, 1]],
+    # few queries on two threads split their slots into parts, the 1-slot one leaving one empty
+    ids=["batch", "one", "one-long", "long-and-short"],
+)
 def test_decode_attention_matches_sdpa(
     ops, threads, dtype, atol, num_heads, num_kv_heads, head_dim, lens
 ) -> None:
-    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads + head_dim)
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads + head_dim + len(lens))
     k_pool = torch.randn(SLOTS, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_pool = torch.randn(SLOTS, num_kv_heads, head_dim, generator=gen).to(dtype)
     indices = torch.zeros(len(lens), max(lens), dtype=torch.int64)  # 0-padded, like the runner's

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 // load_row() splits bfloat16 pairs by the halves of a 32-bit word
@@ -195,17 +196,27 @@ inline void prefetch_row(const T* p, int64_t n) {
 constexpr int64_t BLK = W;  // slots per block (one reduce)
 constexpr int64_t AHEAD = 32 / W;  // blocks of rows prefetched ahead: 32 rows
 
-// KV heads [kh0, kh0 + nkv) of one request: q, out point at its first query head, kb, vb at
-// the KV head's part of slot 0. Scratch: scores [QH, L rounded up to BLK], acc [QH, C] + 1 / sum.
+// A query's attention over part of its slots, for one range of heads, unnormalized: per query
+// head its largest score, the sum of e^(score - largest), and sum_l e^(score_l - largest) v_l
+// (C vectors, in load_row()'s lane order). Parts of one query combine into the softmax over all.
+struct Partial {
+  float* max_sum;  // [QH, 2]
+  vf* acc;         // [QH, C]
+};
+
+// KV heads [kh0, kh0 + nkv) of one query over slots[0, L) (L >= 1): q, out point at its first
+// query head, kb, vb at the KV head's part of slot 0. Writes the normalized result to `out`, or
+// with `out` null the unnormalized one to `part`. Scratch: scores [QH, L rounded up to BLK],
+// acc [QH, C], inv [2 QH].
 template <typename T, int C>
 void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L,
-            int64_t row_len, int64_t nkv, int64_t G, float scale, T* out,
+            int64_t row_len, int64_t nkv, int64_t G, float scale, T* out, Partial part,
             std::vector<float>& scores_buf, std::vector<vf>& acc_buf, std::vector<float>& inv) {
   constexpr int64_t D = W * C;
   const int64_t QH = nkv * G, Lp = (L + BLK - 1) / BLK * BLK, span = nkv * D;
   scores_buf.resize(QH * Lp);
   acc_buf.resize(QH * C);
-  inv.resize(QH);
+  inv.resize(2 * QH);
   float* scores = scores_buf.data();
   vf* acc = acc_buf.data();
   const T* rows[BLK];
@@ -251,6 +262,7 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
     float total = 0.f;
     for (int i = 0; i < W; ++i) total += sum[i];
     inv[h] = 1.f / total;
+    inv[QH + h] = m;
   }
 
   for (int64_t i = 0; i < QH * C; ++i) acc[i] = vf{};
@@ -274,7 +286,35 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
       }
     }
   }
-  for (int64_t h = 0; h < QH; ++h) store_row<C>(acc + h * C, inv[h], out + h * D);
+  if (out != nullptr) {
+    for (int64_t h = 0; h < QH; ++h) store_row<C>(acc + h * C, inv[h], out + h * D);
+    return;
+  }
+  for (int64_t h = 0; h < QH; ++h) {
+    part.max_sum[2 * h] = inv[QH + h];
+    part.max_sum[2 * h + 1] = 1.f / inv[h];
+    for (int c = 0; c < C; ++c) part.acc[h * C + c] = acc[h * C + c];
+  }
+}
+
+// Writes the softmax-weighted sum of `parts` partials (empty ones have sum 0) to out [QH, D].
+template <typename T, int C>
+void combine(const Partial* parts, int64_t num_parts, int64_t QH, T* out) {
+  constexpr int64_t D = W * C;
+  for (int64_t h = 0; h < QH; ++h) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_parts; ++p)
+      if (parts[p].max_sum[2 * h + 1] > 0.f) m = std::max(m, parts[p].max_sum[2 * h]);
+    float total = 0.f;
+    vf acc[C] = {};
+    for (int64_t p = 0; p < num_parts; ++p) {
+      if (parts[p].max_sum[2 * h + 1] <= 0.f) continue;
+      const float w = std::exp(parts[p].max_sum[2 * h] - m);
+      total += w * parts[p].max_sum[2 * h + 1];
+      for (int c = 0; c < C; ++c) acc[c] += w * parts[p].acc[h * C + c];
+    }
+    store_row<C>(acc, 1.f / total, out + h * D);
+  }
 }
 
 // Query i (of N) attends over the first lens[i] slots of kv_indices[rows[i]] (rows null: row i).
@@ -292,18 +332,53 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
   const int64_t* lens = lens_t.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   // A task is one query and a range of its KV heads: all of them (each slot row read once)
-  // when there are enough queries to keep every thread busy, else one head per task.
-  const int64_t nkv = N >= 2 * at::get_num_threads() ? Hkv : 1;
-  const int64_t tasks_per_query = Hkv / nkv;
-  at::parallel_for(0, N * tasks_per_query, 1, [&](int64_t begin, int64_t end) {
+  // when there are enough queries to keep every thread busy, else one head per task. Too few
+  // of those for the threads (one long request decoding) split each query's slots into parts
+  // of at least MIN_PART slots, combined after (flash-decoding).
+  constexpr int64_t MIN_PART = 256;
+  const int64_t threads = at::get_num_threads();
+  const int64_t nkv = N >= 2 * threads ? Hkv : 1, QH = nkv * G;
+  const int64_t tasks_per_query = Hkv / nkv, heads_tasks = N * tasks_per_query;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < N; ++i) longest = std::max(longest, lens[i]);
+  const int64_t parts = heads_tasks >= 2 * threads ? 1
+      : std::max<int64_t>(1, std::min((2 * threads + heads_tasks - 1) / heads_tasks,
+                                      longest / MIN_PART));
+  std::vector<float> max_sum(parts > 1 ? heads_tasks * parts * QH * 2 : 0);
+  std::vector<vf> part_acc(parts > 1 ? heads_tasks * parts * QH * C : 0);
+  auto partial = [&](int64_t task) {  // task = heads task * parts + part
+    return Partial{max_sum.data() + task * QH * 2, part_acc.data() + task * QH * C};
+  };
+  at::parallel_for(0, heads_tasks * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv;
     std::vector<vf> acc;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / tasks_per_query, kh0 = (task % tasks_per_query) * nkv, h0 = kh0 * G;
-      const int64_t row = rows ? rows[i] : i;
-      attend<T, C>(qp + (i * H + h0) * D, kp + kh0 * D, vp + kh0 * D, idx + row * max_kv, lens[i],
-                   row_len, nkv, G, static_cast<float>(scale), op + (i * H + h0) * D, scores, acc,
-                   inv);
+      const int64_t ht = task / parts, p = task % parts;
+      const int64_t i = ht / tasks_per_query, kh0 = (ht % tasks_per_query) * nkv, h0 = kh0 * G;
+      const int64_t* slots = idx + (rows ? rows[i] : i) * max_kv;
+      const T* qh = qp + (i * H + h0) * D;
+      if (parts == 1) {
+        attend<T, C>(qh, kp + kh0 * D, vp + kh0 * D, slots, lens[i], row_len, nkv, G,
+                     static_cast<float>(scale), op + (i * H + h0) * D, Partial{}, scores, acc, inv);
+        continue;
+      }
+      const int64_t chunk = (lens[i] + parts - 1) / parts;
+      const int64_t first = p * chunk, last = std::min(lens[i], first + chunk);
+      if (first >= last) {  // nothing left for this part: an empty partial
+        std::fill_n(partial(task).max_sum, QH * 2, 0.f);
+        continue;
+      }
+      attend<T, C>(qh, kp + kh0 * D, vp + kh0 * D, slots + first, last - first, row_len, nkv, G,
+                   static_cast<float>(scale), nullptr, partial(task), scores, acc, inv);
+    }
+  });
+  if (parts == 1) return;
+  at::parallel_for(0, heads_tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ht = begin; ht < end; ++ht) {
+      const int64_t i = ht / tasks_per_query, h0 = (ht % tasks_per_query) * nkv * G;
+      std::vector<Partial> ps(parts);
+      for (int64_t p = 0; p < parts; ++p) ps[p] = partial(ht * parts + p);
+      combine<T, C>(ps.data(), parts, QH, op + (i * H + h0) * D);
     }
   });
 }

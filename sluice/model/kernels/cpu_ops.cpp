@@ -297,18 +297,19 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
   }
 }
 
-// Writes the softmax-weighted sum of `parts` partials (empty ones have sum 0) to out [QH, D].
+// Writes the softmax-weighted sum of `parts` partials (empty ones have sum 0) to out [QH, D];
+// NaN scores make NaN outputs, as without parts.
 template <typename T, int C>
 void combine(const Partial* parts, int64_t num_parts, int64_t QH, T* out) {
   constexpr int64_t D = W * C;
   for (int64_t h = 0; h < QH; ++h) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < num_parts; ++p)
-      if (parts[p].max_sum[2 * h + 1] > 0.f) m = std::max(m, parts[p].max_sum[2 * h]);
+      if (parts[p].max_sum[2 * h + 1] != 0.f) m = std::max(m, parts[p].max_sum[2 * h]);
     float total = 0.f;
     vf acc[C] = {};
     for (int64_t p = 0; p < num_parts; ++p) {
-      if (parts[p].max_sum[2 * h + 1] <= 0.f) continue;
+      if (parts[p].max_sum[2 * h + 1] == 0.f) continue;  // empty (a NaN sum goes through)
       const float w = std::exp(parts[p].max_sum[2 * h] - m);
       total += w * parts[p].max_sum[2 * h + 1];
       for (int c = 0; c < C; ++c) acc[c] += w * parts[p].acc[h * C + c];

@@ -39,8 +39,8 @@ class ForwardBatch:
     logits_index: torch.Tensor  # [N] rows of T whose logits are computed
     q_rows: torch.Tensor | None = None  # [T] -> request (row of kv_indices) (EXTEND on CPU)
     q_seq_lens: torch.Tensor | None = None  # [T] keys each token sees: position + 1 (same)
-    # the share of the padded [B, max_q, max_kv] attention that the mask lets through (1: DECODE
-    # without padding); PyTorch's SDPA computes all of it, sluice's kernel only that share
+    # EXTEND: the share of the padded [B, max_q, max_kv] attention that the mask lets through;
+    # PyTorch's SDPA computes all of it, sluice's kernel only that share (DECODE: not used, 1)
     mask_density: float = 1.0
 
     @classmethod
@@ -67,8 +67,7 @@ class ForwardBatch:
         positions = _positions(prefix_lens, extend_lens)
         attn_mask = None
         q_pad = q_unpad = q_rows = q_seq_lens = None
-        seen = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens, strict=True))
-        mask_density = seen / (bs * max_q * max_kv)
+        mask_density = 1.0
         if mode == ForwardMode.DECODE:
             if min(seq_lens) != max_kv:
                 attn_mask = (torch.arange(max_kv) < seq_t[:, None]).view(bs, 1, 1, max_kv)
@@ -89,6 +88,9 @@ class ForwardBatch:
             q_pad = (starts[:, None] + q_pos[None, :]).clamp(max=max(len(input_ids) - 1, 0))
             q_pad = torch.where(valid_q, q_pad, 0).view(-1)
             q_unpad = (torch.arange(bs)[:, None] * max_q + q_pos[None, :])[valid_q]
+            pairs = zip(prefix_lens, extend_lens, strict=True)
+            seen = sum(e * p + e * (e + 1) // 2 for p, e in pairs)
+            mask_density = seen / (bs * max_q * max_kv)
             if device.type == "cpu":  # only sluice's CPU kernels read them
                 q_rows = torch.repeat_interleave(torch.arange(bs), ext_t)
                 q_seq_lens = positions + 1

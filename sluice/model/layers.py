@@ -198,19 +198,14 @@ class PagedAttention(nn.Module):
             fb.mode == ForwardMode.DECODE or fb.mask_density < self.KERNEL_MAX_MASK_DENSITY
         ):  # reads the pool in place
             k_pool, v_pool = kv.k[self.layer_id], kv.v[self.layer_id]  # [slots, Hkv, D]
+            qc = q.contiguous()
             if fb.mode == ForwardMode.DECODE:
                 out = self.cpu_ops.decode_attention(
-                    q.contiguous(), k_pool, v_pool, fb.kv_indices, fb.seq_lens, self.scale
+                    qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, self.scale
                 )  # [B, H, D]
             else:
                 out = self.cpu_ops.extend_attention(
-                    q.contiguous(),
-                    k_pool,
-                    v_pool,
-                    fb.kv_indices,
-                    fb.q_rows,
-                    fb.q_seq_lens,
-                    self.scale,
+                    qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, self.scale
                 )  # [T, H, D]
             return out.view(-1, h * d)
         k_all, v_all = kv.gather(self.layer_id, fb.kv_indices)  # [B, max_kv, Hkv, D]

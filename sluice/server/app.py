@@ -95,9 +95,9 @@ def create_app(
     app.state.ctx = ctx
     app.state.server_args = server_args
     app.state.created = int(time.time())
-    counters = getattr(tokenizer_manager, "counters", None)
-    if counters is not None:
-        ctx.metrics.watch_counters(counters.as_dict)
+    counters = _request_counters(tokenizer_manager, list(embedders or []))
+    if counters:
+        ctx.metrics.watch_counters(*(c.as_dict for c in counters))
     install_error_handlers(app)
     _add_generation_routes(app, ctx)
     _add_encoder_routes(app, ctx, list(embedders or []))
@@ -108,6 +108,20 @@ def create_app(
         app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=ctx.metrics, routes=routes)
     return app
+
+
+def _request_counters(tokenizer_manager: Any, embedders: list[Any]) -> list[Any]:
+    """Every RequestCounters of the server, each once: the generation requests' and the pooled
+    requests' of every model (an encoder main model's manager is also among `embedders`)."""
+    owners = [
+        tokenizer_manager, getattr(tokenizer_manager, "embedding_manager", None), *embedders
+    ]  # fmt: skip
+    found: dict[int, Any] = {}
+    for owner in owners:
+        counters = getattr(owner, "counters", None)
+        if counters is not None:
+            found.setdefault(id(counters), counters)
+    return list(found.values())
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -147,6 +161,25 @@ async def _internal_state(ctx: ServingContext) -> dict[str, Any]:
         return dict(await asyncio.wait_for(coro, STATE_TIMEOUT_S))
     except TimeoutError:
         raise APIError(503, "the scheduler did not answer in time", "server_unhealthy") from None
+
+
+async def _encoder_states(encoders: list[Any]) -> dict[str, dict[str, Any]]:
+    """The scheduler state of each encoder model, by model name, asked of all at once. Never
+    raises: a model whose scheduler fails or does not answer within STATE_TIMEOUT_S is
+    {"available": False, "error": why}; the others are their state with "available": True."""
+    states = await asyncio.gather(*(_encoder_state(e) for e in encoders))
+    return {e.model_name: state for e, state in zip(encoders, states, strict=True)}
+
+
+async def _encoder_state(encoder: Any) -> dict[str, Any]:
+    try:
+        state = await asyncio.wait_for(encoder.get_internal_state(), STATE_TIMEOUT_S)
+    except TimeoutError:
+        why = f"the scheduler did not answer within {STATE_TIMEOUT_S:g} s"
+        return {"available": False, "error": why}
+    except Exception as exc:  # a dead child's 503, or anything else: reported, not raised
+        return {"available": False, "error": str(getattr(exc, "message", None) or exc)}
+    return {"available": True, **state}
 
 
 def _model_card(ctx: ServingContext, created: int) -> dict[str, Any]:
@@ -241,8 +274,15 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        state = await _internal_state(ctx)
-        return {**_public_args(server_args), "version": __version__, "internal_state": state}
+        """`internal_state`: the main model's processes (503 if its scheduler does not answer);
+        `encoder_internal_states`: each other model's scheduler, by model name (never fails)."""
+        main = getattr(tm, "manager", None)  # an encoder main model's manager: internal_state
+        others = [e for e in app.state.embedders if e is not main]
+        state, encoder_states = await asyncio.gather(_internal_state(ctx), _encoder_states(others))
+        return {
+            **_public_args(server_args), "version": __version__, "internal_state": state,
+            "encoder_internal_states": encoder_states,
+        }  # fmt: skip
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -2,8 +2,10 @@
 
 Counters and histograms are updated as requests run; the gauges describing the scheduler
 (running and waiting requests, KV usage) are refreshed from `get_internal_state` at scrape time.
-The TokenizerManager's counters of early ends (aborts by cause, timeouts, rejections, outputs for
-unknown rids) are read from it at scrape time too (`watch_counters`).
+The counters of early ends (aborts by cause, timeouts, rejections, outputs for unknown rids) are
+read at scrape time too (`watch_counters`): the TokenizerManager's (generation requests) and
+every EmbeddingManager's (pooled requests), summed per label value. Pooled and generation
+requests share the series, whose label sets are those they had before pooled ones counted.
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ class ServerMetrics:
         self.num_prompt_tokens = 0  # running sums behind cache_hit_rate
         self.num_cached_tokens = 0
 
-    def watch_counters(self, source: Callable[[], dict[str, Any]]) -> None:
-        """Export `source()` (RequestCounters.as_dict) at every scrape."""
-        self.registry.register(_CountersCollector(source))
+    def watch_counters(self, *sources: Callable[[], dict[str, Any]]) -> None:
+        """Export the sum of `source()` (RequestCounters.as_dict) over `sources` at every
+        scrape. Call once: the families may be registered once only."""
+        self.registry.register(_CountersCollector(list(sources)))
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
@@ -99,11 +102,11 @@ class _CountersCollector(Collector):
         ("rejected", "sluice_rejected_requests", "requests refused (429/503)", "reason"),
     )
 
-    def __init__(self, source: Callable[[], dict[str, Any]]) -> None:
-        self.source = source
+    def __init__(self, sources: list[Callable[[], dict[str, Any]]]) -> None:
+        self.sources = sources
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        counts = self.source()
+        counts = sum_counts([source() for source in self.sources])
         for key, name, doc, label in self._LABELLED:
             family = CounterMetricFamily(name, doc, labels=[label])
             for value, num in counts[key].items():
@@ -113,6 +116,17 @@ class _CountersCollector(Collector):
             "sluice_unknown_rid_outputs", "outputs that arrived for an rid nobody holds (zombies)",
             value=counts["unknown_rid_outputs"],
         )  # fmt: skip
+
+
+def sum_counts(counts: list[dict[str, Any]]) -> dict[str, Any]:
+    """RequestCounters.as_dict of several owners added up, per label value."""
+    total: dict[str, Any] = {key: {} for key, _, _, _ in _CountersCollector._LABELLED}
+    for one in counts:
+        for key, by_value in total.items():
+            for value, num in one[key].items():
+                by_value[value] = by_value.get(value, 0) + num
+    total["unknown_rid_outputs"] = sum(one["unknown_rid_outputs"] for one in counts)
+    return total
 
 
 class RequestTracker:

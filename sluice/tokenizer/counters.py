@@ -1,10 +1,12 @@
-"""Counters of the request path kept by the TokenizerManager: how requests ended early.
+"""Counters of the request path: how requests ended early.
 
-Each early end of a rid is counted exactly once, at the place that decides it: a disconnect or
-/abort_request where the TokenizerManager ends the rid; a timeout, invalid input or internal
-error when the scheduler's abort finish arrives for a live rid. `unknown_rid_outputs` counts
-outputs for an rid the TokenizerManager neither holds nor awaits an abort echo for: zombies,
-which should never happen.
+The TokenizerManager keeps one for generation requests, and every EmbeddingManager one for its
+pooled requests (embeddings, scores, rerank); /metrics exports their sum. Each early end of a rid
+is counted exactly once, by its owner, at the place that decides it: a disconnect, /abort_request
+or a shutdown abort where the owner ends the rid; a timeout, invalid input or internal error when
+the scheduler's abort finish arrives for a live rid. `unknown_rid_outputs` counts outputs for an
+rid the TokenizerManager neither holds nor awaits an abort echo for: zombies, which should never
+happen.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ABORT_CAUSES = ("client_disconnect", "abort_request", "timeout", "invalid", "internal_error")
+ABORT_CAUSES = (
+    "client_disconnect", "abort_request", "shutdown", "timeout", "invalid", "internal_error",
+)  # fmt: skip
 TIMEOUT_KINDS = ("waiting", "running", "request")
 REJECT_REASONS = ("queue_full", "shutting_down")
 
@@ -24,8 +28,8 @@ class RequestCounters:
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     unknown_rid_outputs: int = 0
 
-    def count_abort(self, cause: str) -> None:
-        self.aborts[cause] = self.aborts.get(cause, 0) + 1
+    def count_abort(self, cause: str, num: int = 1) -> None:
+        self.aborts[cause] = self.aborts.get(cause, 0) + num
 
     def count_finish(self, reason: dict[str, Any]) -> None:
         """Count a scheduler-side abort finish (`reason` as in meta_info["finish_reason"])."""

@@ -14,6 +14,15 @@ not this class's business: it is given a `send` callable and is handed the outpu
 - The decoder's manager (`decoder_info`) is owned by the TokenizerManager: it sends on the
   TokenizerManager's scheduler socket, shares its tokenizer thread, and gets its outputs from
   the TokenizerManager's receive loop (the detokenizer passes them through unchanged).
+
+Counting (`counters`, exported by /metrics summed with the generation requests'): each pooled
+rid that ends early is counted once, by whoever takes it out of `pending` first: `abort_all`
+("abort_request" or "shutdown"), the end of a call with rids unanswered (its caller is gone:
+"client_disconnect"), or `on_output` (an abort finish of the scheduler: timeout, invalid,
+internal error; or an answer that arrived after its caller was cancelled). A call ended while
+being tokenized has no rids yet and counts once, as in abort_all's return value. Rids ended by
+a child's death are not counted, as for generation. Refusals (429, 503 "shutting_down") are
+counted where they are raised here; the decoder's are counted by its owner's `admit`.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from sluice.messages import (
     TokenizedEmbeddingReqInput,
 )
 from sluice.model.encoder_config import default_embedding_model_path, is_encoder_model
+from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.normalize import RequestError, queue_full_error
 from sluice.utils import ipc
 
@@ -160,6 +170,7 @@ class EmbeddingManager:
         self.is_healthy = True
         self.shutting_down = False  # set by begin_shutdown: new calls get 503
         self.pending: dict[str, asyncio.Future[tuple[bytes, int, FinishReason]]] = {}
+        self.counters = RequestCounters()  # early ends of this manager's rids (module docstring)
         # abort_all() ends calls still in the tokenizer thread too (tokenize_for_call)
         self._tokenizing = 0
         self._abort_generation = 0
@@ -204,6 +215,8 @@ class EmbeddingManager:
         self.pending.clear()
         if rids and self.is_healthy:
             self._send_aborts(rids, reason)
+        cause = "shutdown" if reason == "shutdown" else "abort_request"
+        self.counters.count_abort(cause, len(rids) + tokenizing)
         return len(rids) + tokenizing
 
     def _send_aborts(self, rids: list[str], reason: str) -> None:
@@ -290,7 +303,10 @@ class EmbeddingManager:
         return np.frombuffer(data, dtype="<f4")
 
     def _release(self, rids: list[str]) -> None:
+        """The end of a call: its rids still pending were disconnected (the others were
+        answered, or ended already by abort_all or a child's death)."""
         unanswered = [rid for rid in rids if self.pending.pop(rid, None) is not None]
+        self.counters.count_abort("client_disconnect", len(unanswered))
         if unanswered and self.is_healthy:
             for rid in unanswered:
                 self._send(AbortReq(rid=rid))
@@ -367,7 +383,15 @@ class EmbeddingManager:
             out.rids, out.embeddings, out.prompt_tokens, out.finished_reasons, strict=True
         ):
             fut = self.pending.pop(rid, None)
-            if fut is not None and not fut.done():
+            if fut is None:
+                continue
+            if fut.done():
+                # cancelled with its call (nothing else leaves a pending future done): the
+                # call's _release no longer finds this rid, so its early end is counted here
+                self.counters.count_abort("client_disconnect")
+            else:
+                if reason.type == "abort":
+                    self.counters.count_finish(msgspec.structs.asdict(reason))
                 fut.set_result((data, num, reason))
 
     async def in_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
@@ -385,6 +409,10 @@ class EmbeddingManager:
             if generation == self._abort_generation:
                 raise
             result = None  # counted as aborted: it ends as such, not with its own 400
+        except asyncio.CancelledError:
+            if generation == self._abort_generation:  # else abort_all counted it
+                self.counters.count_abort("client_disconnect")
+            raise
         finally:
             self._tokenizing -= 1
         if generation != self._abort_generation:
@@ -398,6 +426,7 @@ class EmbeddingManager:
 
     def _check_accepting(self) -> None:
         if self.shutting_down:
+            self.counters.rejected["shutting_down"] += 1
             raise RequestError("the server is shutting down", status_code=503, code="shutting_down")
 
     def shutdown_executor(self) -> None:
@@ -429,6 +458,7 @@ class EncoderManager(EmbeddingManager):
     def _admit_queued(self, num_reqs: int) -> None:
         err = queue_full_error(len(self.pending), num_reqs, self._max_running, self._max_queued)
         if err is not None:
+            self.counters.rejected["queue_full"] += 1
             raise err
 
     def _send_to_scheduler(self, msg: Any) -> None:

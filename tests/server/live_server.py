@@ -67,13 +67,18 @@ class LiveServer:
         raise TimeoutError(self.log.read_text())
 
     def state(self) -> dict[str, Any]:
-        return httpx.get(f"{self.base}/get_server_info", timeout=10).json()["internal_state"]
+        resp = httpx.get(f"{self.base}/get_server_info", timeout=10)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["internal_state"]
 
     def wait_for(self, cond: Any, timeout: float = 10.0) -> dict[str, Any]:
+        """Poll until `cond(internal_state)`; a 503 (a scheduler too busy to answer within the
+        server's 5 s, on a loaded machine) is polled past like an unmet condition."""
         deadline = time.monotonic() + timeout
         while True:
-            state = self.state()
-            if cond(state):
+            resp = httpx.get(f"{self.base}/get_server_info", timeout=10)
+            state = resp.json().get("internal_state") if resp.status_code == 200 else resp.text
+            if resp.status_code == 200 and cond(state):
                 return state
             assert time.monotonic() < deadline, f"condition not reached: {state}"
             time.sleep(0.01)

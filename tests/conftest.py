@@ -33,13 +33,13 @@ def _build_reference(gguf_path: Path, out: Path) -> None:
 
     start = time.perf_counter()
     where = {"pretrained_model_name_or_path": str(gguf_path.parent), "gguf_file": gguf_path.name}
-    from transformers import GgufConfig
+    try:  # dequantize=True: transformers unpacks every weight into a dense float32 model
+        from transformers import GgufConfig
 
-    # dequantize=True: transformers unpacks every weight into a plain dense float32 model.
-    quant = GgufConfig(gguf_file=gguf_path.name, dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        **where, dtype=torch.float32, quantization_config=quant
-    )
+        quant = {"quantization_config": GgufConfig(gguf_file=gguf_path.name, dequantize=True)}
+    except ImportError:  # a transformers without it (as on a lent GPU machine): the same
+        quant = {}
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32, **quant)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:  # the legacy GGUF path dequantizes too but keeps the quantizer
         assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -8,9 +8,30 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sluice.model.forward_batch import ForwardBatch, ForwardMode
 from sluice.model.kv_cache import KVCache
+from sluice.utils import envs
+
+_SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def cuda_sdpa_backends() -> list[SDPBackend]:
+    """The SDPA kernels allowed on CUDA, from SLUICE_CUDA_SDPA."""
+    names = [n.strip() for n in (envs.get_str("SLUICE_CUDA_SDPA") or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in _SDPA_BACKENDS]
+    if unknown or not names:
+        raise ValueError(
+            f"SLUICE_CUDA_SDPA={','.join(names)!r}: give a comma-separated list of "
+            f"{', '.join(_SDPA_BACKENDS)}"
+        )
+    return [_SDPA_BACKENDS[n] for n in names]
 
 
 class RMSNorm(nn.Module):
@@ -183,6 +204,7 @@ class PagedAttention(nn.Module):
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.cuda_backends: list[SDPBackend] | None = None  # read on the first CUDA call
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, kv: KVCache
@@ -224,6 +246,14 @@ class PagedAttention(nn.Module):
         if q.device.type == "cpu" and q.dtype != torch.float32:
             out = self._sdpa(q.float(), k.float(), v.float(), mask, causal)
             return out.to(q.dtype)
+        if q.device.type != "cuda":
+            return self._sdpa_call(q, k, v, mask, causal)
+        if self.cuda_backends is None:
+            self.cuda_backends = cuda_sdpa_backends()
+        with sdpa_kernel(self.cuda_backends):
+            return self._sdpa_call(q, k, v, mask, causal)
+
+    def _sdpa_call(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,

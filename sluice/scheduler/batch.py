@@ -111,7 +111,8 @@ def _input_logprobs(logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> 
             req.input_top_logprobs.append(None)
         if num <= 0:
             continue
-        targets = torch.tensor(req.origin_input_ids[first_pos + 1 : first_pos + 1 + num])
+        ids = req.origin_input_ids[first_pos + 1 : first_pos + 1 + num]
+        targets = torch.tensor(ids, device=logits.device)
         lps, top = token_logprobs(
             logits[first_row : first_row + num], targets, req.top_logprobs_num
         )

@@ -10,6 +10,7 @@ places).
 from __future__ import annotations
 
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,12 @@ ENV_VARS: dict[str, EnvVar] = {
         "1",
         "build and use sluice's C++ CPU kernels (decode attention, fused norm, SiLU, rotary); "
         "0: PyTorch ops only",
+    ),
+    "SLUICE_CUDA_SDPA": EnvVar(
+        "flash,efficient,math",
+        "the attention kernels PyTorch's SDPA may choose from on CUDA, comma-separated, of "
+        "cudnn, flash, efficient, math (cuDNN is left out by default: it plans anew for every "
+        "new shape, and a serving engine's shapes change every step)",
     ),
 }
 
@@ -86,9 +93,14 @@ def cache_dir() -> Path:
     return path or Path(ENV_VARS["SLUICE_CACHE_DIR"].default or "").expanduser()
 
 
-def describe() -> str:
-    """One line per declared variable: name, current value, help (for --help epilogs and logs)."""
-    lines = []
+def describe(width: int = 78) -> str:
+    """Each declared variable: its name, default and current value, then its help indented
+    (for the --help epilogue and logs)."""
+    blocks = []
     for name, var in sorted(ENV_VARS.items()):
-        lines.append(f"{name}={_raw(name)!r}  ({var.help}; default {var.default!r})")
-    return "\n".join(lines)
+        value = os.environ.get(name)
+        now = "unset" if value is None else f"set to {value!r}"
+        indent = " " * 6
+        help_text = textwrap.fill(var.help, width, initial_indent=indent, subsequent_indent=indent)
+        blocks.append(f"  {name} (default {var.default!r}; {now})\n{help_text}")
+    return "\n".join(blocks)

@@ -5,6 +5,9 @@ Logits of tiny random-weight Llama and Qwen2 checkpoints must match transformers
 prefix, and batched decode of requests of different lengths. SmolLM2 (from the GGUF) must
 generate the same greedy tokens as transformers, alone and in one batch. The tiny models run
 twice: with sluice's C++ CPU kernels, and with the PyTorch ops they replace.
+
+Where a CUDA device is present the same checks run on it too (float32, against transformers on
+the CPU); elsewhere those variants are skipped. `scripts/device/` runs them on a lent GPU machine.
 """
 
 from __future__ import annotations
@@ -18,19 +21,24 @@ from sluice.model.runner import ModelRunner
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
 ATOL = 1e-4
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 class Driver:
     """Drives a ModelRunner by hand: one request row per sequence, slots from an allocator."""
 
-    def __init__(self, hf_dir: str, kernels: bool, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, hf_dir: str, kernels: bool, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> None:
         cfg = ModelConfig.from_hf_dir(hf_dir)
-        self.runner = ModelRunner(cfg, torch.device("cpu"), dtype, kv_size=4096)
+        self.device = torch.device(device)
+        self.runner = ModelRunner(cfg, self.device, dtype, kv_size=4096)
         with_ops = [m for m in self.runner.model.modules() if getattr(m, "cpu_ops", None)]
-        assert with_ops, "the C++ CPU kernels did not build (see the warning log)"
-        if not kernels:
-            for module in with_ops:
-                module.cpu_ops = None
+        assert with_ops or device != "cpu", "the C++ CPU kernels did not build (see the log)"
+        for module in with_ops:
+            module.cpu_ops = module.cpu_ops if kernels else None
+        # slot bookkeeping stays on the CPU, as in the scheduler; ForwardBatch moves what the
+        # model reads to the device
         self.alloc = TokenToKVPoolAllocator(4096)
         self.pool = ReqToTokenPool(8, 512)
         self.lens: dict[int, int] = {}
@@ -59,9 +67,9 @@ class Driver:
             offset += n
         fb = ForwardBatch.build(
             mode, ids, [self.lens[r] for r in rows], [len(chunks[r]) for r in rows], slots,
-            self.pool.req_to_token, rows, [i for rs in rows_out for i in rs], torch.device("cpu"),
+            self.pool.req_to_token, rows, [i for rs in rows_out for i in rs], self.device,
         )  # fmt: skip
-        logits = self.runner.forward(fb)
+        logits = self.runner.forward(fb).cpu()
         for row in rows:
             self.lens[row] += len(chunks[row])
         out, i = [], 0
@@ -85,11 +93,12 @@ def hf_pair(request, tiny_llama_dir, tiny_qwen2_dir):
     return path, hf
 
 
-@pytest.fixture(params=["kernels", "torch-ops"])
+@pytest.fixture(params=["kernels", "torch-ops", pytest.param("cuda", marks=CUDA)])
 def pair(request, hf_pair):
-    """(a Driver factory for the checkpoint, the transformers model of it)."""
+    """(a Driver factory for the checkpoint, the transformers model of it on the CPU)."""
     path, hf = hf_pair
-    return (lambda: Driver(path, kernels=request.param == "kernels")), hf
+    device = "cuda" if request.param == "cuda" else "cpu"
+    return (lambda: Driver(path, kernels=request.param == "kernels", device=device)), hf
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -190,10 +199,11 @@ def smollm2_greedy_reference(smollm2_reference_dir):
     return refs
 
 
-def test_smollm2_greedy_equals_transformers_alone_and_batched(smollm2_greedy_reference):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_smollm2_greedy_equals_transformers_alone_and_batched(smollm2_greedy_reference, device):
     from sluice import Engine
 
-    engine = Engine(max_total_tokens=8192, check_invariants=True)
+    engine = Engine(max_total_tokens=8192, check_invariants=True, device=device, dtype="float32")
     params = {"max_new_tokens": 32, "temperature": 0}
     for ids, ref in smollm2_greedy_reference:
         got = engine.generate(input_ids=ids, sampling_params=params)
@@ -203,3 +213,4 @@ def test_smollm2_greedy_equals_transformers_alone_and_batched(smollm2_greedy_ref
     )
     assert [b["output_ids"] for b in batch] == [ref for _, ref in smollm2_greedy_reference]
     engine.scheduler.check_idle_invariant()
+    engine.shutdown()

@@ -22,17 +22,23 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,  # the parent parser brings -h
         help="serve a model over HTTP (see `sluice serve --help`)",
         description=serve.description,
+        epilog=serve.epilog,
         formatter_class=serve.formatter_class,
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    ns = parser.parse_args(argv)
     if ns.command == "serve":
         from sluice.launch import launch_server
 
-        sys.exit(launch_server(args_from_namespace(ns)))
+        try:
+            args = args_from_namespace(ns)
+        except ValueError as e:  # a value out of range: usage and the message, exit status 2
+            parser.error(str(e))
+        sys.exit(launch_server(args))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
+    """A setting: its default, its --help text, and optionally `choices`, `at_least` and
+    `above` (bounds of a number, checked by ServerArgs whether it comes from the command line
+    or from Engine(**kwargs))."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -36,7 +39,9 @@ class ServerArgs:
     rerank_model_path: str | None = _opt(
         None, "cross-encoder (BertForSequenceClassification directory) served for /v1/rerank"
     )
-    context_length: int = _opt(0, "maximum tokens per request, prompt plus output (0: model's)")
+    context_length: int = _opt(
+        0, "maximum tokens per request, prompt plus output (0: model's)", at_least=0
+    )
     dtype: str = _opt(
         "auto",
         "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA); on a CPU with AVX512-BF16 "
@@ -46,50 +51,98 @@ class ServerArgs:
     device: str = _opt(
         "auto", "where the model runs (auto: cuda when available)", choices=["auto", "cpu", "cuda"]
     )
-    num_threads: int = _opt(0, "compute threads of the scheduler (0: the cores available)")
+    num_threads: int = _opt(
+        0, "compute threads of the scheduler (0: the cores available)", at_least=0
+    )
     random_seed: int = _opt(0, "seed for requests that do not give one")
 
     # memory
-    max_total_tokens: int = _opt(0, "size of the KV pool in tokens (0: from --mem-fraction)")
-    mem_fraction: float = _opt(0.25, "fraction of free memory given to the KV pool")
-    max_running_requests: int = _opt(0, "concurrent requests in the running batch (0: auto)")
+    max_total_tokens: int = _opt(
+        0, "size of the KV pool in tokens (0: from --mem-fraction)", at_least=0
+    )
+    mem_fraction: float = _opt(
+        0.25, "fraction of free memory given to the KV pool", above=0.0, at_most=1.0
+    )
+    max_running_requests: int = _opt(
+        0, "concurrent requests in the running batch (0: auto)", at_least=0
+    )
     disable_radix_cache: bool = _opt(False, "turn off prefix reuse through the radix cache")
 
     # scheduling
-    max_prefill_tokens: int = _opt(4096, "tokens in one prefill batch")
-    chunked_prefill_size: int = _opt(1024, "longest prefill chunk of one request (0: no chunking)")
+    max_prefill_tokens: int = _opt(
+        4096,
+        "prompt tokens prefilled in one step, all requests together (with chunking on, also at "
+        "most --chunked-prefill-size); without chunking a longer prompt runs alone in its step",
+        at_least=1,
+    )  # fmt: skip
+    chunked_prefill_size: int = _opt(
+        1024,
+        "longest prefill chunk of one request: longer prompts are prefilled over several steps, "
+        "between decode steps of the running batch (0: no chunking)",
+        at_least=0,
+    )  # fmt: skip
     schedule_policy: str = _opt(
         "fcfs", "fcfs: arrival order; lpm: longest cached prefix first", choices=["fcfs", "lpm"]
     )
     check_invariants: bool = _opt(False, "check the KV pool invariant whenever the scheduler idles")
-    waiting_timeout: float = _opt(0.0, "seconds a request may wait before it is scheduled (0: off)")
-    running_timeout: float = _opt(0.0, "seconds a request may take in all (0: off)")
+    waiting_timeout: float = _opt(
+        0.0, "seconds a request may wait before it is scheduled (0: off)", at_least=0
+    )
+    running_timeout: float = _opt(0.0, "seconds a request may take in all (0: off)", at_least=0)
     max_queued_requests: int = _opt(
-        0, "requests in flight beyond --max-running-requests before new ones get 429 (0: no limit)"
+        0,
+        "requests in flight beyond --max-running-requests before new ones get 429 (0: no limit)",
+        at_least=0,
     )
 
     # serving
     host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(30000, "port to listen on")
+    port: int = _opt(30000, "port to listen on", at_least=1, at_most=65535)
     api_key: str | None = _opt(None, "require this key as a Bearer token")
-    stream_interval: int = _opt(1, "tokens per streamed update")
+    stream_interval: int = _opt(1, "tokens per streamed update", at_least=1)
     log_level: str = _opt("info", "debug | info | warning | error")
     shutdown_timeout: float = _opt(
-        20.0, "on SIGTERM, seconds to let requests in flight finish before aborting them"
-    )
+        20.0, "on SIGTERM, seconds to let requests in flight finish before aborting them",
+        at_least=0,
+    )  # fmt: skip
     health_timeout: float = _opt(
-        20.0, "/health_generate is 503 when the scheduler was silent for this many seconds"
-    )
+        20.0, "/health_generate is 503 when the scheduler was silent for this many seconds",
+        above=0,
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = _out_of_range(getattr(self, f.name), f.metadata)
+            if problem:
+                raise ValueError(f"{f.name} (--{f.name.replace('_', '-')}) {problem}")
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
 
+def _out_of_range(value: Any, rules: Any) -> str | None:
+    """What is wrong with `value` under a field's `choices`/`at_least`/`above`/`at_most`."""
+    choices = rules.get("choices")
+    if choices is not None and value not in choices:
+        return f"must be one of {', '.join(choices)}; got {value!r}"
+    if "at_least" in rules and value < rules["at_least"]:
+        return f"must be at least {rules['at_least']}; got {value}"
+    if "above" in rules and value <= rules["above"]:
+        return f"must be more than {rules['above']}; got {value}"
+    if "at_most" in rules and value > rules["at_most"]:
+        return f"must be at most {rules['at_most']}; got {value}"
+    return None
+
+
 def build_parser(prog: str = "sluice serve") -> argparse.ArgumentParser:
+    from sluice.utils import envs
+
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Serve a language model behind an OpenAI-compatible HTTP API.",
-        epilog="Example: sluice serve --model-path ./my-model --port 8000 --max-total-tokens 65536",
+        epilog="example:\n  sluice serve --model-path ./my-model --port 8000 --max-total-tokens "
+        f"65536\n\nenvironment variables:\n{envs.describe()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -74,6 +75,10 @@ def test_help_lists_the_command_and_its_options() -> None:
     assert serve.returncode == 0
     for option in ("--model-path", "--max-total-tokens", "--port", "--context-length"):
         assert option in serve.stdout
+    # every environment variable sluice reads, with its default
+    assert "environment variables:" in serve.stdout
+    for name in ("SLUICE_CACHE_DIR", "SLUICE_CPU_KERNELS", "SLUICE_CUDA_SDPA"):
+        assert f"{name} (default " in serve.stdout
     assert _run([sys.executable, "-m", "sluice"]).returncode == 2
 
 
@@ -106,6 +111,28 @@ def test_invalid_option_values_are_refused_before_anything_starts() -> None:
     res = _run([*SERVE, "--dtype", "bogus"], timeout=30)
     assert res.returncode == 2
     assert "invalid choice: 'bogus'" in res.stderr and "float32" in res.stderr
+    res = _run([*SERVE, "--max-prefill-tokens", "0"], timeout=30)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--max-prefill-tokens) must be at least 1; got 0" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"max_prefill_tokens": 0}, "max_prefill_tokens (--max-prefill-tokens) must be at least 1; got 0"),
+        ({"mem_fraction": 0.0}, "mem_fraction (--mem-fraction) must be more than 0.0; got 0.0"),
+        ({"mem_fraction": 1.5}, "must be at most 1.0; got 1.5"),
+        ({"stream_interval": 0}, "stream_interval (--stream-interval) must be at least 1; got 0"),
+        ({"port": 70000}, "port (--port) must be at most 65535; got 70000"),
+        ({"chunked_prefill_size": -1}, "must be at least 0; got -1"),
+        ({"dtype": "fp8"}, "dtype (--dtype) must be one of auto, float32, bfloat16, float16; got 'fp8'"),
+    ],
+)  # fmt: skip
+def test_server_args_refuse_values_out_of_range(change: dict, message: str) -> None:
+    # Engine(**kwargs) builds the same ServerArgs, so it refuses them the same way
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerArgs(**change)
+    ServerArgs(**{k: 1 if k != "dtype" else "float32" for k in change})  # in range: accepted
 
 
 # ---- watchdog, in process -----------------------------------------------------------------

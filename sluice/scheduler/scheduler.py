@@ -230,7 +230,9 @@ class Scheduler:
     def _step_prefill(self) -> bool:
         if not self.waiting and self.chunked_req is None:
             return False
-        budget = self.args.chunked_prefill_size or self.args.max_prefill_tokens
+        budget = self.args.max_prefill_tokens  # prompt tokens this step, all requests together
+        if self.args.chunked_prefill_size > 0:
+            budget = min(budget, self.args.chunked_prefill_size)
         adder = PrefillAdder(
             self.allocator, self.req_pool, self.tree, self.running, self.res.max_running_requests,
             budget, self.args.chunked_prefill_size, self.new_token_ratio,

@@ -152,6 +152,18 @@ def test_chunked_prefill_matches_unchunked(make_engine: Any, default_engine: Eng
     assert max(abs(a - b) for a, b in zip(got[1:], want[1:], strict=True)) < 1e-4
 
 
+def test_max_prefill_tokens_bounds_every_step_when_chunking(make_engine: Any) -> None:
+    engine = make_engine(
+        None, max_total_tokens=1024, chunked_prefill_size=16, max_prefill_tokens=12
+    )
+    sizes = _count_extends(engine)
+    prompts = [long_ids(engine, 30, "First"), long_ids(engine, 10, "Second")]
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy(2))
+    assert all(o["meta_info"]["completion_tokens"] == 2 for o in outs)
+    # the first prompt in chunks of 12, the second one after it, never more than 12 a step
+    assert sizes == [12, 12, 6 + 6, 4]
+
+
 # ---- batching and policy -------------------------------------------------------------------
 
 

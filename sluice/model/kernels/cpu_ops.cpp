@@ -215,10 +215,11 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
   constexpr int64_t D = W * C;
   const int64_t QH = nkv * G, Lp = (L + BLK - 1) / BLK * BLK, span = nkv * D;
   scores_buf.resize(QH * Lp);
-  acc_buf.resize(QH * C);
+  acc_buf.resize(QH * (C + 1));
   inv.resize(2 * QH);
   float* scores = scores_buf.data();
   vf* acc = acc_buf.data();
+  vf* top = acc + QH * C;  // per query head, lane-wise largest score so far
   const T* rows[BLK];
 
   for (int64_t h = 0; h < QH; ++h) {  // the scaled queries, kept in acc until the V pass
@@ -243,8 +244,9 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
           for (int c = 1; c < C; ++c) s += qv[c] * k[c];
           a[j] = s;
         }
-        const vf r = reduce(a);
+        const vf r = reduce(a);  // lanes past the last slot repeat its score
         std::memcpy(scores + h * Lp + l0, &r, sizeof r);
+        top[h] = l0 == 0 ? r : (r > top[h] ? r : top[h]);
       }
     }
   }
@@ -252,8 +254,8 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
   for (int64_t l = 0; l < std::min(L, AHEAD * BLK); ++l) prefetch_row(vb + slots[l] * row_len, span);
   for (int64_t h = 0; h < QH; ++h) {  // softmax numerators in place, and 1 / their sum
     float* s = scores + h * Lp;
-    float m = s[0];
-    for (int64_t l = 1; l < L; ++l) m = std::max(m, s[l]);
+    float m = top[h][0];
+    for (int i = 1; i < W; ++i) m = std::max(m, top[h][i]);
     for (int64_t l = L; l < Lp; ++l) s[l] = m;  // block padding: any finite value, zeroed below
     for (int64_t l = 0; l < Lp; l += W) store(vexp(load(s + l) - m), s + l);
     for (int64_t l = L; l < Lp; ++l) s[l] = 0.f;

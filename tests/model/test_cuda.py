@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from sluice.model.layers import cuda_sdpa_backends
-from tests.model.test_parity import CUDA, Driver, _prompts
+from tests.model.test_parity import CUDA, Driver, _prompts, assert_agree_in_bfloat16
 
 
 def test_cuda_sdpa_backends_leave_cudnn_out_unless_asked(monkeypatch) -> None:
@@ -33,16 +33,8 @@ def test_bfloat16_on_cuda_agrees_with_the_cpu(model, tiny_llama_dir, tiny_qwen2_
     """bfloat16 runs SDPA's fused kernels on CUDA; within bfloat16's precision they must give
     the CPU's logits, prefill of prompts of different lengths and decode."""
     path = tiny_llama_dir if model == "llama" else tiny_qwen2_dir
-    drivers = [Driver(path, kernels=False, dtype=torch.bfloat16, device=d) for d in ("cpu", "cuda")]
-    prompts = _prompts(6, [9, 30, 4])
-    outs = []
-    for drv in drivers:
-        rows = [drv.new_seq() for _ in prompts]
-        got = drv.extend(dict(zip(rows, prompts, strict=True)))
-        got += drv.decode({r: 7 for r in rows})
-        outs.append(torch.cat(got).float())
-    scale = outs[0].abs().max().item()
-    torch.testing.assert_close(outs[1], outs[0], atol=0.02 * scale, rtol=0)
+    cpu, cuda = (Driver(path, False, torch.bfloat16, device=d) for d in ("cpu", "cuda"))
+    assert_agree_in_bfloat16(cpu, cuda, seed=6)
 
 
 @CUDA

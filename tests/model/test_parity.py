@@ -150,20 +150,26 @@ def test_batched_decode_of_different_lengths_matches(pair):
             torch.testing.assert_close(got[i][0], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
 
 
+def assert_agree_in_bfloat16(reference: Driver, other: Driver, seed: int) -> None:
+    """A prefill of prompts of different lengths, then a decode step, through both: the logits
+    must agree within bfloat16's precision (2% of their largest magnitude)."""
+    prompts = _prompts(seed, [9, 30, 4])
+    outs = []
+    for drv in (reference, other):
+        rows = [drv.new_seq() for _ in prompts]
+        got = drv.extend(dict(zip(rows, prompts, strict=True)))
+        got += drv.decode({r: 7 for r in rows})
+        outs.append(torch.cat(got).float())
+    scale = outs[0].abs().max().item()
+    torch.testing.assert_close(outs[1], outs[0], atol=0.02 * scale, rtol=0)
+
+
 def test_bfloat16_kernels_agree_with_pytorch_ops(hf_pair):
     """In bfloat16 there is no transformers parity to hold to; the kernels and the PyTorch ops
     they replace must give the same logits within bfloat16's precision, prefill and decode."""
     path, _ = hf_pair
-    drivers = [Driver(path, kernels=k, dtype=torch.bfloat16) for k in (True, False)]
-    prompts = _prompts(5, [9, 30, 4])
-    outs = []
-    for drv in drivers:
-        rows = [drv.new_seq() for _ in prompts]
-        got = drv.extend(dict(zip(rows, prompts, strict=True)))
-        got += drv.decode({r: 7 for r in rows})
-        outs.append(torch.cat(got))
-    scale = outs[1].abs().max().item()
-    torch.testing.assert_close(outs[0], outs[1], atol=0.02 * scale, rtol=0)
+    ops, kernels = (Driver(path, kernels=k, dtype=torch.bfloat16) for k in (False, True))
+    assert_agree_in_bfloat16(ops, kernels, seed=5)
 
 
 PROMPTS = [

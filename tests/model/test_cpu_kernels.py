@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.model import kernels
-from sluice.model.layers import PagedAttention, RMSNorm, RotaryEmbedding, _rotate
+from sluice.model.layers import PackedLinear, PagedAttention, RMSNorm, RotaryEmbedding, _rotate
 from sluice.model.model_config import ModelConfig
 from sluice.model.models.llama import LlamaMLP
 from sluice.model.runner import ModelRunner
@@ -174,6 +174,61 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops, dtype, atol) -> None:
         ops.rope_(qkv, torch.full((11,), 2048), rope.cos, rope.sin, heads + kv_heads, d)
 
 
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (16, 1536)])  # a tail past 8, 16 lanes
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_small_linear_matches_f_linear(ops, threads, dtype, atol, rows, n, k, with_bias) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    got = ops.small_linear(x, w, bias)
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
+
+
+def test_small_linear_refuses_what_it_cannot_take(ops) -> None:
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    refusals = [
+        (torch.randn(5, 64), w, None, "1 to 4 rows, not 5"),
+        (torch.randn(2, 40), torch.randn(8, 40), None, "multiple of"),
+        (x, torch.randn(8, 32), None, "x has 64 columns, w 32"),
+        (x, w.bfloat16(), None, "x's dtype"),
+        (x, w, torch.randn(7), "bias"),
+        (x.t().contiguous().t(), w, None, "contiguous"),
+    ]
+    for xx, ww, bb, message in refusals:
+        with pytest.raises(RuntimeError, match=message):
+            ops.small_linear(xx, ww, bb)
+    assert ops.small_linear_max_rows == 4 and ops.small_linear_k_multiple in (16, 32)
+
+
+def test_packed_linear_takes_the_kernel_for_a_few_rows_only(native_ops) -> None:
+    calls: list[int] = []
+
+    class Counting:  # native_ops, counting small_linear's calls by rows
+        def __getattr__(self, name):
+            return getattr(native_ops, name)
+
+        def small_linear(self, x, w, bias):
+            calls.append(x.shape[0])
+            return native_ops.small_linear(x, w, bias)
+
+    w, bias = torch.randn(40, 64), torch.randn(40)
+    layer = PackedLinear(w, bias)
+    layer.cpu_ops = Counting()
+    for rows in (0, 1, 4, 5, 64, 100):  # 0: a prefill chunk that wants no logits
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+    assert calls == [1, 4]
+    odd = PackedLinear(torch.randn(8, 40), None)  # 40 columns: not a multiple of 16 or 32
+    odd.cpu_ops = Counting()
+    odd(torch.randn(1, 40))
+    assert calls == [1, 4]
+
+
 def _modules_with_ops(runner: ModelRunner) -> dict[type, list]:
     found: dict[type, list] = {}
     for module in runner.model.modules():
@@ -187,7 +242,7 @@ def test_runner_hands_the_kernels_to_every_layer(tiny_llama_dir: str, native_ops
         ModelConfig.from_hf_dir(tiny_llama_dir), torch.device("cpu"), torch.float32, kv_size=64
     )
     found = _modules_with_ops(runner)
-    assert set(found) == {PagedAttention, RMSNorm, RotaryEmbedding, LlamaMLP}
+    assert set(found) == {PagedAttention, RMSNorm, RotaryEmbedding, LlamaMLP, PackedLinear}
     assert all(o is native_ops for held in found.values() for o in held)
 
 

@@ -24,8 +24,9 @@ from tests.tiny_models import make_tiny_llama
 
 
 def long_context_tiny_llama(dir: Path, tokenizer_dir: str) -> str:
-    """The tiny Llama with room for 4096 positions, so one request can decode for seconds."""
-    return make_tiny_llama(dir, tokenizer_dir=tokenizer_dir, max_position_embeddings=4096)
+    """The tiny Llama with room for 16384 positions, so one request can decode for seconds
+    (about 1 ms a token here)."""
+    return make_tiny_llama(dir, tokenizer_dir=tokenizer_dir, max_position_embeddings=16384)
 
 
 def _free_port() -> int:

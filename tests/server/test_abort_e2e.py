@@ -28,7 +28,9 @@ from tests.server.live_server import (
 
 # generous enough that a loaded CI machine never expires a request a test means to abort
 WAITING_TIMEOUT, RUNNING_TIMEOUT, HEALTH_TIMEOUT = 2.0, 3.0, 1.5
-LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}  # outlives RUNNING_TIMEOUT
+LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}  # seconds: can be aborted
+# decode steps that no CPU runs within RUNNING_TIMEOUT (the tiny model takes about 1 ms a step)
+OUTLIVES_RUNNING_TIMEOUT = 15000
 SHORT = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
 # long enough that, with one running slot, the aborted part is still queued when the abort lands
 MEDIUM = {"max_new_tokens": 600, "ignore_eos": True, "temperature": 0}
@@ -39,7 +41,7 @@ CHAT = [{"role": "user", "content": "Tell me a long story."}]
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) -> Iterator[LiveServer]:
     tmp = tmp_path_factory.mktemp("abort_e2e")
     model = long_context_tiny_llama(tmp / "model", smollm2_hf_dir)
-    args = ["--max-total-tokens", "8192", "--chunked-prefill-size", "2",
+    args = ["--max-total-tokens", "16384", "--chunked-prefill-size", "2",
             "--max-running-requests", "1", "--max-queued-requests", "3",
             "--waiting-timeout", str(WAITING_TIMEOUT), "--running-timeout", str(RUNNING_TIMEOUT),
             "--health-timeout", str(HEALTH_TIMEOUT), "--log-level", "warning"]  # fmt: skip
@@ -276,7 +278,8 @@ def _assert_timeout(resp: httpx.Response, kind: str, value: float) -> None:
 def test_running_waiting_and_request_timeouts() -> None:
     async def go(client: httpx.AsyncClient) -> None:
         started = time.monotonic()
-        running = asyncio.create_task(client.post("/v1/completions", json={"prompt": _ids(4), "max_tokens": 3000, "ignore_eos": True}))  # fmt: skip
+        body = {"prompt": _ids(4), "max_tokens": OUTLIVES_RUNNING_TIMEOUT, "ignore_eos": True}
+        running = asyncio.create_task(client.post("/v1/completions", json=body))
         await _wait_for(client, lambda s: s["num_running_reqs"] == 1)
         waiting = await client.post("/v1/chat/completions", json={"messages": CHAT})
         _assert_timeout(waiting, "waiting", WAITING_TIMEOUT)

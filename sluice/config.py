@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +19,10 @@ logger = logging.getLogger(__name__)
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
-    """A setting: its default, its --help text, and optionally `choices`, `at_least` and
-    `above` (bounds of a number, checked by ServerArgs whether it comes from the command line
-    or from Engine(**kwargs))."""
+    """A setting: its default, its --help text, and optionally `choices`, `pattern` (a regular
+    expression the whole value must match), and `at_least`, `above`, `at_most` (bounds of a
+    number). ServerArgs checks them whether a value comes from the command line or from
+    Engine(**kwargs)."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -49,7 +52,9 @@ class ServerArgs:
         choices=["auto", "float32", "bfloat16", "float16"],
     )  # fmt: skip
     device: str = _opt(
-        "auto", "where the model runs (auto: cuda when available)", choices=["auto", "cpu", "cuda"]
+        "auto",
+        "where the model runs: auto (cuda when available), cpu, cuda or cuda:N",
+        pattern=r"auto|cpu|cuda(:\d+)?",
     )
     num_threads: int = _opt(
         0, "compute threads of the scheduler (0: the cores available)", at_least=0
@@ -100,7 +105,9 @@ class ServerArgs:
     port: int = _opt(30000, "port to listen on", at_least=1, at_most=65535)
     api_key: str | None = _opt(None, "require this key as a Bearer token")
     stream_interval: int = _opt(1, "tokens per streamed update", at_least=1)
-    log_level: str = _opt("info", "debug | info | warning | error")
+    log_level: str = _opt(
+        "info", "debug | info | warning | error", choices=["debug", "info", "warning", "error"]
+    )
     shutdown_timeout: float = _opt(
         20.0, "on SIGTERM, seconds to let requests in flight finish before aborting them",
         at_least=0,
@@ -125,6 +132,11 @@ def _out_of_range(value: Any, rules: Any) -> str | None:
     choices = rules.get("choices")
     if choices is not None and value not in choices:
         return f"must be one of {', '.join(choices)}; got {value!r}"
+    if "pattern" in rules and not re.fullmatch(rules["pattern"], str(value)):
+        return f"must match {rules['pattern']}; got {value!r}"
+    bounded = any(key in rules for key in ("at_least", "above", "at_most"))
+    if bounded and isinstance(value, float) and math.isnan(value):
+        return "must be a number; got nan"
     if "at_least" in rules and value < rules["at_least"]:
         return f"must be at least {rules['at_least']}; got {value}"
     if "above" in rules and value <= rules["above"]:

@@ -177,6 +177,8 @@ class InternalState(msgspec.Struct):
     last_heartbeat: float
     num_retractions: int = 0
     num_sessions: int = 0
+    device: str = ""  # where the model runs, as resolved at start-up (e.g. "cpu", "cuda")
+    dtype: str = ""  # e.g. "float32"
 
 
 class SchedulerHeartbeat(msgspec.Struct):

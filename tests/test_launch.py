@@ -126,13 +126,17 @@ def test_invalid_option_values_are_refused_before_anything_starts() -> None:
         ({"port": 70000}, "port (--port) must be at most 65535; got 70000"),
         ({"chunked_prefill_size": -1}, "must be at least 0; got -1"),
         ({"dtype": "fp8"}, "dtype (--dtype) must be one of auto, float32, bfloat16, float16; got 'fp8'"),
+        ({"device": "gpu"}, "device (--device) must match auto|cpu|cuda(:\\d+)?; got 'gpu'"),
+        ({"health_timeout": float("nan")}, "health_timeout (--health-timeout) must be a number; got nan"),
+        ({"log_level": "loud"}, "log_level (--log-level) must be one of debug, info, warning, error"),
     ],
 )  # fmt: skip
 def test_server_args_refuse_values_out_of_range(change: dict, message: str) -> None:
     # Engine(**kwargs) builds the same ServerArgs, so it refuses them the same way
     with pytest.raises(ValueError, match=re.escape(message)):
         ServerArgs(**change)
-    ServerArgs(**{k: 1 if k != "dtype" else "float32" for k in change})  # in range: accepted
+    valid = {"dtype": "float32", "device": "cuda:1", "log_level": "debug"}
+    ServerArgs(**{k: valid.get(k, 1) for k in change})  # in range: accepted
 
 
 # ---- watchdog, in process -----------------------------------------------------------------

@@ -19,9 +19,11 @@ basename "$gguf" >"$out/gguf.name"
 sha256sum "$gguf" | cut -d' ' -f1 >"$out/gguf.sha256"
 
 # the image has torch, transformers, tokenizers, safetensors, numpy, jinja2, psutil, httpx,
-# prometheus-client, pytest (scripts/device/README.md); sluice needs these beside them
+# prometheus-client, pytest (scripts/device/README.md); sluice needs these beside them, with
+# their own needs at the versions they ask (the image's may be older), pure Python but four
 packages=(gguf msgspec pyzmq setproctitle fastapi starlette pydantic pydantic-core
-  annotated-types typing-inspection uvicorn)
+  annotated-types typing-inspection uvicorn opentelemetry-api annotated-doc typing-extensions
+  click h11 anyio)
 pins=$($py - "${packages[@]}" <<'PY'
 import importlib.metadata as md, sys
 print(" ".join(f"{name}=={md.version(name)}" for name in sys.argv[1:]))

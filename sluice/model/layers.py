@@ -215,7 +215,8 @@ class PagedAttention(nn.Module):
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        self.cuda_backends: list[SDPBackend] | None = None  # read on the first CUDA call
+        # the SDPA kernels allowed on CUDA: set by the runner at load (else read at first use)
+        self.cuda_backends: list[SDPBackend] | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, kv: KVCache

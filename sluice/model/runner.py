@@ -14,7 +14,7 @@ from torch import nn
 
 from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.kv_cache import KVCache
-from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
+from sluice.model.layers import PagedAttention, can_pack_linears, cuda_sdpa_backends, pack_linears
 from sluice.model.loader import iter_hf_weights
 from sluice.model.model_config import ModelConfig
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
@@ -88,6 +88,11 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
         pack_linears(model)
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):  # what the kernels take
         _use_cpu_kernels(model, cfg.head_dim)
+    if device.type == "cuda":  # SLUICE_CUDA_SDPA is checked here, at start-up
+        backends = cuda_sdpa_backends()
+        for module in model.modules():
+            if isinstance(module, PagedAttention):
+                module.cuda_backends = backends
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",
         cfg.model_name, cfg.architecture, num_params / 1e6, str(dtype).removeprefix("torch."),

@@ -199,6 +199,8 @@ class EncoderScheduler:
         return InternalState(
             num_running_reqs=0, num_waiting_reqs=len(self.waiting), kv_total=0, kv_free=0,
             kv_cached=0, kv_in_use=0, last_heartbeat=self.last_heartbeat,
+            device=str(getattr(self.runner, "device", "")),
+            dtype=str(getattr(self.runner, "dtype", "")).removeprefix("torch."),
         )  # fmt: skip
 
     def flush_cache(self) -> bool:

@@ -408,7 +408,8 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             kv_total=total, kv_free=free, kv_cached=cached, kv_in_use=total - free - cached,
             last_heartbeat=self.last_heartbeat, num_retractions=self.num_retractions,
-            num_sessions=len(self.sessions),
+            num_sessions=len(self.sessions), device=str(self.res.device),
+            dtype=str(self.res.dtype).removeprefix("torch."),
         )  # fmt: skip
 
     def check_idle_invariant(self) -> None:

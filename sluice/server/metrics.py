@@ -4,8 +4,9 @@ Counters and histograms are updated as requests run; the gauges describing the s
 (running and waiting requests, KV usage) are refreshed from `get_internal_state` at scrape time.
 The counters of early ends (aborts by cause, timeouts, rejections, outputs for unknown rids) are
 read at scrape time too (`watch_counters`): the TokenizerManager's (generation requests) and
-every EmbeddingManager's (pooled requests), summed per label value. Pooled and generation
-requests share the series, whose label sets are those they had before pooled ones counted.
+every EmbeddingManager's (pooled requests), summed per label value: pooled and generation
+requests share the series (same names and labels; every abort cause, "shutdown" included, is
+exported from the start, at 0).
 """
 
 from __future__ import annotations

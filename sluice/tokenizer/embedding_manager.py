@@ -172,9 +172,12 @@ class EmbeddingManager:
         self.pending: dict[str, asyncio.Future[tuple[bytes, int, FinishReason]]] = {}
         self.counters = RequestCounters()  # early ends of this manager's rids (module docstring)
         # abort_all() ends calls still in the tokenizer thread too (tokenize_for_call)
-        self._tokenizing = 0
+        # calls in the tokenizer thread, by the abort generation they started in: abort_all
+        # ends (and counts) those of the current generation only, each once
+        self._tokenizing: dict[int, int] = {}
         self._abort_generation = 0
-        self._abort_error: tuple[str, int, str] = ("", 0, "")  # message, status, code
+        # the error of the abort_all that ended a generation's tokenizing calls, while any is left
+        self._ended_by: dict[int, RequestError] = {}
         self._send = send
         self._reply_to = reply_to
         self._admit = admit
@@ -205,9 +208,11 @@ class EmbeddingManager:
         still being tokenized end with the same error once that is done, sending nothing.
         Returns the number ended: pending rids (one per input) plus calls being tokenized (one
         each: their inputs are not counted yet)."""
+        tokenizing = self._tokenizing.get(self._abort_generation, 0)
+        if tokenizing:
+            error = RequestError(message, status_code=status, code=code)
+            self._ended_by[self._abort_generation] = error
         self._abort_generation += 1
-        self._abort_error = (message, status, code)
-        tokenizing = self._tokenizing
         rids = list(self.pending)
         for fut in self.pending.values():
             if not fut.done():
@@ -402,7 +407,8 @@ class EmbeddingManager:
         """`fn(*args)` in the tokenizer thread for a call that then runs: if abort_all() ends
         the pending calls meanwhile, this one ends with them (RequestError) instead of starting."""
         generation = self._abort_generation
-        self._tokenizing += 1
+        self._tokenizing[generation] = self._tokenizing.get(generation, 0) + 1
+        ended: RequestError | None = None
         try:
             result = await self.in_tokenizer_thread(fn, *args)
         except RequestError:
@@ -414,11 +420,20 @@ class EmbeddingManager:
                 self.counters.count_abort("client_disconnect")
             raise
         finally:
-            self._tokenizing -= 1
-        if generation != self._abort_generation:
-            message, status, code = self._abort_error
-            raise RequestError(message, status_code=status, code=code)
+            ended = self._end_tokenizing(generation)
+        if ended is not None:
+            raise RequestError(ended.message, status_code=ended.status_code, code=ended.code)
         return result
+
+    def _end_tokenizing(self, generation: int) -> RequestError | None:
+        """One call of `generation` left the tokenizer thread: the error of the abort_all that
+        ended it, if one did."""
+        ended = self._ended_by.get(generation)
+        self._tokenizing[generation] -= 1
+        if not self._tokenizing[generation]:
+            del self._tokenizing[generation]
+            self._ended_by.pop(generation, None)
+        return ended
 
     def _check_healthy(self) -> None:
         if not self.is_healthy:

@@ -27,8 +27,8 @@ ENV_VARS: dict[str, EnvVar] = {
     ),
     "SLUICE_CPU_KERNELS": EnvVar(
         "1",
-        "build and use sluice's C++ CPU kernels (decode attention, fused norm, SiLU, rotary); "
-        "0: PyTorch ops only",
+        "build and use sluice's C++ CPU kernels (attention, linear layers of a few rows, fused "
+        "norm, SiLU, rotary); 0: PyTorch ops only",
     ),
     "SLUICE_CUDA_SDPA": EnvVar(
         "flash,efficient,math",

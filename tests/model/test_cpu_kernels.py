@@ -112,6 +112,29 @@ def test_extend_attention_is_causal_over_each_requests_slots(
         ops.extend_attention(q, k_pool, v_pool, short, rows, q_lens, d**-0.5)
 
 
+@pytest.mark.parametrize("lens", [[1, 7, 130, 64, 255], [1000]], ids=["batch", "one-long"])
+@pytest.mark.parametrize("path", ["decode", "extend"])
+def test_attention_holds_with_scores_hundreds_apart(ops, threads, lens, path) -> None:
+    """Scores spread over hundreds (q * 60): a softmax taken against anything but each head's
+    largest score over all of a query's slots would overflow or vanish; it must match SDPA."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, d = 9, 3, 64
+    k_pool = torch.randn(SLOTS, kv_heads, d, generator=gen)
+    v_pool = torch.randn(SLOTS, kv_heads, d, generator=gen)
+    indices = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    for b, n in enumerate(lens):
+        indices[b, :n] = torch.randperm(SLOTS - 1, generator=gen)[:n] + 1
+    q = torch.randn(len(lens), heads, d, generator=gen) * 60
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    if path == "decode":
+        out = ops.decode_attention(q, k_pool, v_pool, indices, seq_lens, d**-0.5)
+    else:  # each query its own request's row, seeing all its slots
+        rows = torch.arange(len(lens))
+        out = ops.extend_attention(q, k_pool, v_pool, indices, rows, seq_lens, d**-0.5)
+    want = _reference(q, k_pool, v_pool, indices, lens, d**-0.5)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=0)
+
+
 def test_decode_attention_refuses_mismatched_inputs(ops) -> None:
     q = torch.zeros(2, 4, 64)
     pool = torch.zeros(16, 4, 64, dtype=torch.bfloat16)

@@ -42,9 +42,10 @@ def _chat(srv: LiveServer, content: str) -> dict[str, Any]:
     return resp.json()
 
 
-def test_server_runs_on_the_device(server: LiveServer) -> None:
-    info = httpx.get(f"{server.base}/get_server_info", timeout=10).json()
-    assert info["device"] == DEVICE
+def test_the_model_runs_on_the_device_in_its_default_dtype(server: LiveServer) -> None:
+    state = server.state()  # what the scheduler resolved at start-up, not the argument
+    assert state["device"].startswith(DEVICE), state
+    assert state["dtype"] == ("bfloat16" if DEVICE == "cuda" else "float32"), state
 
 
 def test_streamed_greedy_chat_equals_the_full_response(server: LiveServer) -> None:

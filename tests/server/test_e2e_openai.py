@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 
 from tests.server.live_server import running_server
 
@@ -169,3 +170,6 @@ def test_zz_idle_state_clean(server) -> None:
         time.sleep(0.2)
     assert idle and state["num_req_states"] == 0 and state["num_detokenizer_states"] == 0
     assert state["kv_free"] + state["kv_cached"] == state["kv_total"]
+    # as resolved from the default "auto": float32 on CPU, bfloat16 on CUDA
+    auto = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+    assert (state["device"], state["dtype"]) == auto

@@ -133,6 +133,9 @@ def test_abort_all_ends_a_call_still_being_tokenized() -> None:
         task = asyncio.create_task(manager.embed([[1, 2, 3], [4, 5]]))
         assert await asyncio.to_thread(started.wait, 5)
         assert manager.abort_all(499, "request_aborted", "the request was aborted") == 1
+        # a second abort_all (the shutdown drain's) finds it ended already: not counted again
+        assert manager.abort_all(503, "shutdown", "shutting down", reason="shutdown") == 0
+        assert aborts(manager) == {"abort_request": 1}
         release.set()
         (err,) = await results([task])
         assert isinstance(err, RequestError) and (err.status_code, err.code) == (

@@ -6,7 +6,9 @@ build error, or SLUICE_CPU_KERNELS=0): callers then use PyTorch ops. Its functio
 `decode_attention(q, k_pool, v_pool, kv_indices, seq_lens, scale)` and `extend_attention(q,
 k_pool, v_pool, kv_indices, q_rows, q_lens, scale)` (for the head dims in its
 `attention_head_dims`), `rms_norm(x, weight, eps)`, `add_rms_norm_(x, residual, weight, eps)`,
-`silu_and_mul(x)` and `rope_(x, positions, cos, sin, heads, head_dim)`, for float32 and bfloat16
+`silu_and_mul(x)`, `rope_(x, positions, cos, sin, heads, head_dim)` and `small_linear(x, w,
+bias=None)` (up to `small_linear_max_rows` rows, in_features a multiple of
+`small_linear_k_multiple`), for float32 and bfloat16
 tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs. The build (about
 30 s on 2 cores) lands in `<cache dir>/kernels/<name>-<CPU fingerprint>/` and is reused by every
 later process on a CPU of the same kind; the C++ source is part of the package.

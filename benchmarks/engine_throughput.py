@@ -3,11 +3,11 @@
 Workload (defaults): 64 prompts of about 100 tokens, 128 greedy output tokens each, EOS ignored.
 Both run in this process on the SmolLM2-135M-Instruct weights dequantized from the GGUF, on the
 same device (`--device`: CUDA when present, else the CPU, with the same thread count) and in the
-same dtype (`--dtype`, float32 by default). Prints output tokens per second for each, their
-ratio, and the single-request decode speed of sluice.
+same dtype (`--dtype`, auto by default: as the server resolves it). Prints output tokens per
+second for each, their ratio, and the single-request decode speed of sluice.
 
     .venv/bin/python benchmarks/engine_throughput.py [--num-prompts 64] [--output-len 128] \
-        [--dtype float32|bfloat16] [--device cpu|cuda]
+        [--dtype auto|float32|bfloat16] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32",
-        help="weights and activations, the same for both sides (bfloat16 pays off on CPUs with "
-        "AVX512-BF16 or AMX)",
+        "--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+        help="weights and activations, the same for both sides (auto: as `sluice serve` "
+        "resolves it, bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32)",
     )  # fmt: skip
     ap.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
@@ -114,7 +114,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from sluice.model.loader import load_model_config
+    from sluice.model.runner import resolve_dtype
     from sluice.utils.system import available_cpus
+
+    args.dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
     from sluice.utils.tokenizer import get_tokenizer
 
     threads = available_cpus()

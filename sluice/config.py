@@ -1,8 +1,8 @@
 """ServerArgs: every setting of sluice, in one frozen dataclass.
 
 argparse is built from the dataclass fields (their defaults and `help` metadata), so a setting is
-declared once. "auto" values (0 or "auto") are resolved once at start-up by `resolve`, which
-logs each resolved value.
+declared once. "auto" values (0 or "auto") are resolved once at start-up, in the process that
+uses them (`scheduler/resources.py`, `model/runner.py`'s `resolve_dtype`), which logs each value.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class ServerArgs:
     )
     dtype: str = _opt(
         "auto",
-        "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA); on a CPU with AVX512-BF16 "
-        "or AMX, bfloat16 is about twice as fast as float32",
+        "weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with native bfloat16, AMX-BF16 "
+        "or AVX512-BF16, where it is about twice as fast as float32; float32 on other CPUs)",
         choices=["auto", "float32", "bfloat16", "float16"],
     )  # fmt: skip
     device: str = _opt(

@@ -18,6 +18,7 @@ from sluice.model.layers import PagedAttention, can_pack_linears, cuda_sdpa_back
 from sluice.model.loader import iter_hf_weights
 from sluice.model.model_config import ModelConfig
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from sluice.utils.system import cpu_flags, native_bf16_flag
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +38,25 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU (no fast bf16 matmul on most CPUs), bfloat16 on CUDA."""
+    """`auto`: bfloat16 on CUDA and on CPUs that compute it natively (AMX-BF16 or AVX512-BF16),
+    float32 on other CPUs; the choice and its reason are logged."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        chosen, reason = auto_dtype(device, cpu_flags())
+        logger.info("--dtype auto: %s (%s)", str(chosen).removeprefix("torch."), reason)
+        return chosen
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def auto_dtype(device: torch.device, flags: frozenset[str]) -> tuple[torch.dtype, str]:
+    """What `--dtype auto` means on `device` with CPU `flags`, and why."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA"
+    flag = native_bf16_flag(flags)
+    if flag is not None:
+        return torch.bfloat16, f"this CPU computes bfloat16 natively: {flag}"
+    return torch.float32, "this CPU has no native bfloat16 (no amx_bf16 or avx512_bf16 flag)"
 
 
 class ModelRunner:

@@ -1,10 +1,13 @@
-"""Facts about the machine a process runs on: usable cores, free memory."""
+"""Facts about the machine a process runs on: usable cores, free memory, native bfloat16."""
 
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
+
+# CPU flags (as /proc/cpuinfo names them) of a native bfloat16 matmul, best first
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def available_cpus() -> int:
@@ -41,3 +44,22 @@ def available_memory_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's feature flags; empty where /proc/cpuinfo is missing (not Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def native_bf16_flag(flags: frozenset[str]) -> str | None:
+    """The flag that says this CPU computes bfloat16 matmuls natively (AMX-BF16 or
+    AVX512-BF16), or None."""
+    return next((f for f in BF16_CPU_FLAGS if f in flags), None)

@@ -35,14 +35,17 @@ def sharp_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: st
 
 @pytest.fixture(scope="module")
 def make_engine() -> Iterator[MakeEngine]:
-    """Engine(model_dir, **server_args) with invariant checks on and one compute thread
-    (`torch.set_num_threads` is process-wide); shut down with the module."""
+    """Engine(model_dir, **server_args) with invariant checks on, one compute thread
+    (`torch.set_num_threads` is process-wide) and float32; shut down with the module."""
     made: list[Engine] = []
 
     def make(model_dir: str | None, **server_args: Any) -> Engine:
         server_args.setdefault("check_invariants", True)
         # one thread: on a shared 2-core machine, 2 OpenMP threads run many times slower
         server_args.setdefault("num_threads", 1)
+        # these tests compare greedy tokens and vectors across batch shapes, chunking, the
+        # prefix cache, retraction and transformers: float32, whatever `auto` means here
+        server_args.setdefault("dtype", "float32")
         engine = Engine(model_dir, **server_args)
         made.append(engine)
         _LIVE_ENGINES.append(engine)

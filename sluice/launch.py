@@ -215,11 +215,14 @@ class ServingProcesses:
         return msg
 
     def _stop_children(self) -> None:
+        """SIGTERM to every child at once (each exits within milliseconds: see
+        `ipc.exit_on_sigterm`), then SIGKILL to any still alive STOP_TIMEOUT_S later."""
         for child in self._children:
             if child.process.is_alive():
                 child.process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for child in self._children:
-            child.process.join(STOP_TIMEOUT_S)
+            child.process.join(max(deadline - time.monotonic(), 0))
             if child.process.is_alive():
                 logger.warning("the %s process ignored SIGTERM; killing it", child.name)
                 child.process.kill()

@@ -177,12 +177,15 @@ def test_dead_scheduler_fails_requests_with_503(tiny_llama_dir: str) -> None:
 
 
 class Server:
-    def __init__(self, model_path: str | None, tmp_path: Any) -> None:
+    """`embedding`: a test model keeps the default embedding model (a `sluice::encoder` child)."""
+
+    def __init__(self, model_path: str | None, tmp_path: Any, embedding: bool = False) -> None:
         self.port = _free_port()
-        self.log = tmp_path / "server.log"
+        self.log = tmp_path / f"server-{self.port}.log"
         cmd = [*SERVE, "--port", str(self.port), "--max-total-tokens", "4096"]
         if model_path is not None:  # a test model: without the default embedding model
-            cmd += ["--model-path", model_path, "--no-embedding-model"]
+            cmd += ["--model-path", model_path]
+            cmd += [] if embedding else ["--no-embedding-model"]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.ps = psutil.Process(self.proc.pid)
@@ -216,8 +219,8 @@ class Server:
 def start_server(tmp_path: Any) -> Iterator[Any]:
     servers: list[Server] = []
 
-    def start(model_path: str | None) -> Server:
-        servers.append(Server(model_path, tmp_path))
+    def start(model_path: str | None, embedding: bool = False) -> Server:
+        servers.append(Server(model_path, tmp_path, embedding))
         return servers[-1]
 
     yield start
@@ -230,20 +233,64 @@ def _assert_gone(procs: list[psutil.Process], timeout: float = 5) -> None:
     assert not alive, f"orphaned: {alive}"
 
 
+def _exited_within(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The processes of `procs` still running after `timeout` s (a zombie has exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if _is_running(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _is_running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _sluice_children(server: Server) -> dict[str, psutil.Process]:
+    kids = {cmd.split()[0]: p for cmd, p in server.children().items() if cmd.startswith("sluice::")}
+    assert set(kids) == {"sluice::scheduler", "sluice::detokenizer", "sluice::encoder"}, kids
+    return kids
+
+
+def test_sigterm_to_each_child_exits_it_at_once(start_server: Any, tiny_llama_dir: str) -> None:
+    server = start_server(tiny_llama_dir, embedding=True)  # with the default embedding model
+    server.wait_healthy()
+    kids = _sluice_children(server)
+    for kid in kids.values():
+        kid.send_signal(signal.SIGTERM)
+    assert not _exited_within(list(kids.values()), 1.0)
+    assert server.proc.wait(30) == 1  # a child's death stops the server
+    log = server.log.read_text()
+    assert "ignored SIGTERM" not in log and "died (exit code 0)" in log
+    for name in ("scheduler", "detokenizer", "embedding"):
+        assert f"the {name} process exited with code 0" in log, log
+
+
 def test_sigterm_stops_everything_cleanly(start_server: Any) -> None:
-    server = start_server(None)  # the default model, once
+    server = start_server(None)  # the default models, once
     started = time.monotonic()
     server.wait_healthy()
     assert server.ps.cmdline()[0] == "sluice::http"
-    scheduler, detokenizer = server.child("sluice::scheduler"), server.child("sluice::detokenizer")
+    kids = _sluice_children(server)
     # no compute pools outside the scheduler: the main thread plus a few helpers
-    assert detokenizer.num_threads() <= 5
+    assert kids["sluice::detokenizer"].num_threads() <= 5
     assert f"http://127.0.0.1:{server.port}" in server.log.read_text()
     assert "KV pool" in server.log.read_text()
     print(f"default model served after {time.monotonic() - started:.1f} s")
     server.proc.send_signal(signal.SIGTERM)
+    # every child at once: the interpreter's teardown took a second of CPU per child, and past
+    # the launcher's 5 s (then SIGKILL) when several tore down together on a busy machine
+    alive = _exited_within(list(kids.values()), 3.0)  # the drain (none in flight), the stop
+    assert not alive, f"still running 3 s after SIGTERM: {alive}"
     assert server.proc.wait(30) == 0
-    _assert_gone([scheduler, detokenizer])
+    log = server.log.read_text()
+    assert "ignored SIGTERM" not in log
+    for name in ("scheduler", "detokenizer", "embedding"):
+        assert f"the {name} process exited with code 0" in log, log
 
 
 def test_killed_scheduler_makes_the_server_exit_nonzero(

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
 import traceback
 from typing import Any
 
@@ -45,8 +43,8 @@ def run_detokenizer_process(
     except BaseException:
         ipc.report_ready(ready_conn, ReadyMsg("detokenizer", error=traceback.format_exc()))
         raise SystemExit(1) from None
+    ipc.exit_on_sigterm()  # the launcher's stop is a clean exit, at once; set before the handshake
     ipc.report_ready(ready_conn, ReadyMsg("detokenizer"))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher's stop is a clean exit
     loop.run_forever()
 
 

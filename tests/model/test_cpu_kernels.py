@@ -1,7 +1,13 @@
 """sluice's C++ CPU kernels against the PyTorch ops they replace, and their wiring into the model
-runner (the end-to-end logits parity in test_parity.py runs with and without them)."""
+runner (the end-to-end logits parity in test_parity.py runs with and without them), and the build
+cache that keys each build on its source, flags, torch, Python and CPU."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +281,101 @@ def test_float16_on_cpu_keeps_the_pytorch_path(tiny_llama_dir: str) -> None:
     )
     found = _modules_with_ops(runner)
     assert found and all(o is None for held in found.values() for o in held)
+
+
+# ---- the build cache ------------------------------------------------------------------------
+
+TINY_SOURCE = """#include <pybind11/pybind11.h>
+int answer() { return ANSWER; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+"""
+# a fresh process: builds (or reuses) a kernel and prints its answer; `no-builder` makes any call
+# of torch's builder fail, so a reuse is proven to load the folder as it is
+BUILD_SCRIPT = """
+import logging, sys
+from pathlib import Path
+logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(levelname)s %(message)s")
+if sys.argv[3] == "no-builder":
+    import torch.utils.cpp_extension
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch's builder was called")
+
+    torch.utils.cpp_extension.load = refuse
+from sluice.model import kernels
+if sys.argv[1] == "real":
+    print("ANSWER", kernels.cpu_ops().attention_head_dims)
+else:
+    flags = ("-DANSWER=42", "-O0")
+    print("ANSWER", kernels._build(sys.argv[1], Path(sys.argv[2]), flags).answer())
+    code = Path(sys.argv[2]).read_bytes()  # the key again, after a build in this process
+    print("FOLDER", kernels.build_folder(sys.argv[1], code, [*kernels.CFLAGS, *flags]))
+"""
+
+
+def _build_in_fresh_process(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", BUILD_SCRIPT, *args], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def _output(proc: subprocess.Popen, timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_build_key_covers_source_flags_torch_python_and_cpu() -> None:
+    base = (b"int f();", ["-O3", "-DSLUICE_LANES=8"], "2.13.0+cpu", "cpython-311", "avx512f")
+    key = kernels.build_key(*base)
+    assert kernels.build_key(*base) == key and len(key) == 16
+    changed = [
+        (b"int g();", *base[1:]),
+        (base[0], ["-O3"], *base[2:]),
+        (*base[:2], "2.14.0+cpu", *base[3:]),
+        (*base[:3], "cpython-312", base[4]),
+        (*base[:4], "avx2"),
+    ]
+    assert len({kernels.build_key(*parts) for parts in changed} | {key}) == len(changed) + 1
+
+
+def test_build_folder_depends_on_the_bytes_and_flags_not_the_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    code = kernels.SOURCE.read_bytes()
+    flags = [*kernels.CFLAGS, "-DSLUICE_LANES=8"]
+    folder = kernels.build_folder("k", code, flags)
+    assert folder.parent == tmp_path / "kernels" and folder.name.startswith("k-")
+    assert kernels.build_folder("k", bytes(code), list(flags)) == folder  # a second checkout
+    assert kernels.build_folder("k", code + b"\n// edited", flags) != folder
+    assert kernels.build_folder("k", code, kernels.CFLAGS) != folder
+
+
+def test_a_kernel_builds_once_and_fresh_processes_load_it_without_the_builder(
+    tmp_path: Path,
+) -> None:
+    env = {"SLUICE_CACHE_DIR": str(tmp_path / "cache")}
+    first, second = tmp_path / "one" / "tiny.cpp", tmp_path / "two" / "tiny.cpp"
+    for source in (first, second):  # two checkouts of the same source
+        source.parent.mkdir()
+        source.write_text(TINY_SOURCE)
+    # two processes at once on an empty cache: one builds, the other waits for it and loads
+    procs = [_build_in_fresh_process("sluice_tiny", str(first), "builder", env=env)
+             for _ in range(2)]  # fmt: skip
+    outs = [_output(proc) for proc in procs]
+    assert all("ANSWER 42" in out for out in outs), outs
+    assert sum(out.count("building sluice's CPU kernels sluice_tiny") for out in outs) == 1, outs
+    assert sum(out.count("built the CPU kernels sluice_tiny in") for out in outs) == 1, outs
+    (folder,) = [p for p in (tmp_path / "cache" / "kernels").iterdir() if p.is_dir()]
+    assert (folder / kernels.BUILD_INFO).is_file()  # and no temporary folder left behind
+    assert all(f"FOLDER {folder}\n" in out for out in outs), outs  # a build changes no key
+    out = _output(_build_in_fresh_process("sluice_tiny", str(second), "no-builder", env=env))
+    assert "ANSWER 42" in out and "reusing the CPU kernels sluice_tiny" in out, out
+    assert "building" not in out
+
+
+def test_a_fresh_process_loads_the_built_kernels_without_the_builder(native_ops) -> None:
+    out = _output(_build_in_fresh_process("real", "", "no-builder"))
+    assert f"ANSWER {native_ops.attention_head_dims}" in out and "building" not in out, out

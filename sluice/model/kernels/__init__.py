@@ -1,5 +1,5 @@
-"""sluice's own CPU kernels (`cpu_ops.cpp`), compiled once per machine with torch's C++
-extension builder.
+"""sluice's own CPU kernels (`cpu_ops.cpp`), compiled with torch's C++ extension builder once per
+machine and source.
 
 `cpu_ops()` returns the compiled module, or None when it cannot be had (no compiler or ninja, a
 build error, or SLUICE_CPU_KERNELS=0): callers then use PyTorch ops. Its functions:
@@ -9,9 +9,16 @@ k_pool, v_pool, kv_indices, q_rows, q_lens, scale)` (for the head dims in its
 `silu_and_mul(x)`, `rope_(x, positions, cos, sin, heads, head_dim)` and `small_linear(x, w,
 bias=None)` (up to `small_linear_max_rows` rows, in_features a multiple of
 `small_linear_k_multiple`), for float32 and bfloat16
-tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs. The build (about
-30 s on 2 cores) lands in `<cache dir>/kernels/<name>-<CPU fingerprint>/` and is reused by every
-later process on a CPU of the same kind; the C++ source is part of the package.
+tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs.
+
+Build cache: `<cache dir>/kernels/<name>-<key>/`, the key a hash of everything the binary
+depends on (the source's bytes, the compiler flags, torch's and Python's versions, the CPU model
+and instruction sets), so two checkouts or installs of the same source share one build and
+different sources never overwrite each other's. A folder exists only complete: the build runs in
+a temporary folder (under a file lock, so concurrent processes build once) that is renamed into
+place at the end. An existing folder is loaded directly with importlib, without torch's builder
+(whose own checks would rebuild when, say, the checkout path differs). The build (about 30 s on
+2 cores) is logged at INFO before and after; a reuse only at DEBUG.
 """
 
 from __future__ import annotations
@@ -20,12 +27,16 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
 import shutil
+import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +44,17 @@ from sluice.utils import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")  # self-contained: no local includes
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process building the same kernel
+BUILD_INFO = (
+    "sluice-build.json"  # written last into a build folder: the module name, the key's parts
+)
 # vectorized float reductions need reassociation; no -ffast-math (NaN and inf keep their meaning)
-CFLAGS = [
+CFLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
     "-fassociative-math", "-fno-signed-zeros",
-]  # fmt: skip
+)  # fmt: skip
+LDFLAGS = ("-fopenmp",)  # tuples: torch's builder appends to the lists it is given
 
 
 @functools.cache
@@ -54,32 +69,112 @@ def cpu_ops() -> Any | None:
         return None
 
 
+def ensure_built() -> Any | None:
+    """`cpu_ops()`, saying how it went: for a start-up hook (a test session's) that wants the
+    one-time build done up front rather than inside the first model load."""
+    start = time.perf_counter()
+    ops = cpu_ops()
+    took = time.perf_counter() - start
+    if ops is None:
+        logger.info("sluice's CPU kernels: not in use (%.1f s); PyTorch ops instead", took)
+    else:
+        logger.info("sluice's CPU kernels: ready in %.1f s", took)
+    return ops
+
+
 def _build(name: str, source: Path, extra_cflags: tuple[str, ...] = ()) -> Any:
-    """Compile (or reuse) `source` as the Python module `name`; the tests also build a variant
-    with `-DSLUICE_LANES=8`, the vector width of CPUs without AVX-512."""
+    """The module `name` compiled from `source`, from its build folder if that exists, else built
+    now; the tests also build a variant with `-DSLUICE_LANES=8`, the vector width of CPUs
+    without AVX-512."""
+    code = source.read_bytes()
+    cflags = [*CFLAGS, *extra_cflags]
+    folder = build_folder(name, code, cflags)
+    module = _load_built(folder)
+    if module is not None:
+        logger.debug("reusing the CPU kernels %s from %s", name, folder)
+        return module
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder.with_name(f"{folder.name}.lock")):
+        module = _load_built(folder)  # another process built it while this one waited
+        if module is None:
+            module = _compile(name, source.name, code, cflags, folder)
+    return module
+
+
+def build_folder(name: str, code: bytes, cflags: Sequence[str]) -> Path:
+    """Where the build of `code` (a C++ source's bytes) with `cflags` lives for this torch,
+    Python and CPU."""
+    import torch
+
+    key = build_key(
+        code, [*cflags, "--ldflags", *LDFLAGS, "--cxx", os.environ.get("CXX", "c++")],
+        torch.__version__, sys.implementation.cache_tag, _cpu_fingerprint(),
+    )  # fmt: skip
+    return envs.cache_dir() / "kernels" / f"{name}-{key}"
+
+
+def build_key(code: bytes, flags: Sequence[str], torch_version: str, python: str, cpu: str) -> str:
+    """A short hash of everything a build depends on (-march=native: the CPU's instruction sets)."""
+    digest = hashlib.sha256(code)
+    for part in (json.dumps(list(flags)), torch_version, python, cpu):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _load_built(folder: Path) -> Any | None:
+    """The module of a finished build folder (None: no such folder), imported as it is."""
+    try:
+        info = json.loads((folder / BUILD_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    import torch  # noqa: F401  (the module links against the libraries torch loads)
+
+    name = info["module"]
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.so")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {folder / name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(name: str, filename: str, code: bytes, cflags: Sequence[str], folder: Path) -> Any:
+    """Build `code` in a fresh temporary folder next to `folder`, then rename it into place;
+    the caller holds the folder's lock."""
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: use the pip package's
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    # -march=native: a build is only good for CPUs with the same instruction sets
-    build_dir = envs.cache_dir() / "kernels" / f"{name}-{_cpu_fingerprint()}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(build_dir / "sluice-build.lock"):
-        # torch's own `lock` file outlives a build that was killed and then blocks every later
-        # one forever; holding our lock (the OS drops it with its process) proves it stale
-        (build_dir / "lock").unlink(missing_ok=True)
-        fresh = not any(build_dir.glob("*.so"))
-        if fresh:
-            logger.info("building the CPU kernels %s (once per machine, ~30 s)", name)
-        start = time.perf_counter()
+    logger.info(
+        "building sluice's CPU kernels %s (about 30 s, once per machine and source) in %s",
+        name, folder,
+    )  # fmt: skip
+    start = time.perf_counter()
+    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):  # of a build that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
+    try:
+        tmp.chmod(0o755)  # as any other cache folder, not mkdtemp's 0o700
+        (tmp / filename).write_bytes(code)  # exactly the bytes the key hashed
         module = load(
-            name=name, sources=[str(source)], extra_cflags=[*CFLAGS, *extra_cflags],
-            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False,
+            name=name, sources=[str(tmp / filename)], extra_cflags=list(cflags),
+            extra_ldflags=list(LDFLAGS), build_directory=str(tmp), verbose=False,
         )  # fmt: skip
-    if fresh:
-        logger.info("built %s in %.1f s", name, time.perf_counter() - start)
+        info = {
+            "module": module.__name__,
+            "flags": list(cflags),
+            "built_s": time.perf_counter() - start,
+        }
+        (tmp / BUILD_INFO).write_text(json.dumps(info))
+        if folder.exists():  # a folder without its info file: not a finished build
+            shutil.rmtree(folder)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("built the CPU kernels %s in %.1f s", name, time.perf_counter() - start)
     return module
 
 
@@ -103,11 +198,10 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 
 def _cpu_fingerprint() -> str:
-    """A short hash of this CPU's model and instruction-set flags (Linux), else of its arch."""
+    """This CPU's model and instruction-set flags (Linux), else its arch."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         info = ""
     lines = [ln for ln in info.splitlines() if ln.startswith(("flags", "model name"))][:2]
-    text = "\n".join(lines) or platform.machine()
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    return "\n".join(lines) or platform.machine()

@@ -73,6 +73,14 @@ class AbortReq(msgspec.Struct, omit_defaults=True):
     reason: str = "client"
 
 
+class SetPausedReq(msgspec.Struct):
+    """HTTP → a model's scheduler, fire and forget (ordered with the requests on the same
+    socket): paused, the scheduler runs no forward step; requests queue, aborts and timeouts
+    are still processed."""
+
+    paused: bool
+
+
 class FinishReason(msgspec.Struct, omit_defaults=True):
     """Why a request ended. type: "stop" | "length" | "abort".
 
@@ -179,6 +187,7 @@ class InternalState(msgspec.Struct):
     num_sessions: int = 0
     device: str = ""  # where the model runs, as resolved at start-up (e.g. "cpu", "cuda")
     dtype: str = ""  # e.g. "float32"
+    paused: bool = False  # by /pause_generation: no forward step runs until it is continued
 
 
 class SchedulerHeartbeat(msgspec.Struct):

@@ -63,6 +63,7 @@ class EncoderScheduler:
         self.last_heartbeat = time.monotonic()
         self.num_forward_steps = 0
         self.num_timeouts = 0
+        self.paused = False  # set_paused: no batch runs while set
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -123,13 +124,17 @@ class EncoderScheduler:
         self.last_heartbeat = now = time.monotonic()
         self._process_aborts()
         self._expire(now)
-        batch = self._take_batch()
+        batch = [] if self.paused else self._take_batch()
         if batch:
             self._run(batch)
         return self._take_outputs()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.outputs or self.to_abort or self.abort_all)
+
+    def set_paused(self, paused: bool) -> None:
+        """Paused, `step()` still ends aborted and expired requests but runs no batch."""
+        self.paused = paused
 
     def is_idle(self) -> bool:
         return not self.waiting
@@ -201,6 +206,7 @@ class EncoderScheduler:
             kv_cached=0, kv_in_use=0, last_heartbeat=self.last_heartbeat,
             device=str(getattr(self.runner, "device", "")),
             dtype=str(getattr(self.runner, "dtype", "")).removeprefix("torch."),
+            paused=self.paused,
         )  # fmt: skip
 
     def flush_cache(self) -> bool:

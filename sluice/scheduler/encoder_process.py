@@ -27,6 +27,7 @@ from sluice.messages import (
     GetInternalStateReq,
     InternalStateReply,
     SchedulerHeartbeat,
+    SetPausedReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -95,7 +96,8 @@ class EncoderLoop:
             self.run_once()
 
     def run_once(self) -> None:
-        timeout = 0 if self.scheduler.has_work() else IDLE_POLL_MS
+        busy = self.scheduler.has_work() and not self.scheduler.paused
+        timeout = 0 if busy else IDLE_POLL_MS
         for frames in ipc.recv_all(self.recv_sock, timeout):
             self._handle(frames)
         if self.scheduler.has_work():
@@ -118,6 +120,8 @@ class EncoderLoop:
                 self.scheduler.add_request(req)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg)
+        elif isinstance(msg, SetPausedReq):
+            self.scheduler.set_paused(msg.paused)
         elif isinstance(msg, GetInternalStateReq):
             ipc.send(self.send_sock, InternalStateReply(self.scheduler.internal_state()))
         elif isinstance(msg, FlushCacheReq):

@@ -1,8 +1,9 @@
 """The scheduler process: owns the model and the Scheduler, driven by messages over ZMQ.
 
 Loop guarantee: while the scheduler has work, pending messages are taken without blocking
-between steps, so a new request or an abort waits at most one forward step; while idle, the loop
-blocks on the socket (IDLE_POLL_MS at a time). Every step's outputs go to the detokenizer: the
+between steps, so a new request or an abort waits at most one forward step; while idle or paused
+(/pause_generation: steps end aborted and expired requests, no forward runs), the loop blocks on
+the socket (IDLE_POLL_MS at a time). Every step's outputs go to the detokenizer: the
 BatchTokenIDOutput of generation requests, then the BatchEmbeddingOutput of the pooled
 (embedding / scoring) requests that finished, which the detokenizer passes on unchanged.
 A message that cannot be taken in ends only the request it carries (an abort finish for its
@@ -35,6 +36,7 @@ from sluice.messages import (
     OpenSessionReq,
     SamplingParams,
     SchedulerHeartbeat,
+    SetPausedReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -92,7 +94,8 @@ class SchedulerLoop:
 
     def run_once(self) -> None:
         # idle means no live request, hence no deadline to wake up for
-        timeout = 0 if self.scheduler.has_work() else IDLE_POLL_MS
+        busy = self.scheduler.has_work() and not self.scheduler.paused
+        timeout = 0 if busy else IDLE_POLL_MS
         for frames in ipc.recv_all(self.recv_sock, timeout):
             self._handle(frames)
         if self.scheduler.has_work():
@@ -124,6 +127,8 @@ class SchedulerLoop:
                 self._add_embedding_request(req)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg)
+        elif isinstance(msg, SetPausedReq):
+            self.scheduler.set_paused(msg.paused)
         elif isinstance(msg, GetInternalStateReq):
             ipc.send(self.send_sock, InternalStateReply(self.scheduler.internal_state()))
         elif isinstance(msg, FlushCacheReq):

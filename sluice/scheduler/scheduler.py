@@ -81,6 +81,7 @@ class Scheduler:
         self.last_heartbeat = time.monotonic()
         self.num_forward_steps = 0
         self.num_retractions = 0
+        self.paused = False  # set_paused: no forward step while set
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -210,7 +211,7 @@ class Scheduler:
             req.to_abort = reason
             self.aborting.append(req)
         self._process_aborts()
-        if not self._step_prefill() and self.running:
+        if not self.paused and not self._step_prefill() and self.running:
             self._step_decode()
         if self.is_idle():
             self.new_token_ratio = NEW_TOKEN_RATIO_INIT
@@ -223,6 +224,12 @@ class Scheduler:
             self.waiting or self.running or self.chunked_req or self.touched or self.aborting
             or self.pooled_done
         )  # fmt: skip
+
+    def set_paused(self, paused: bool) -> None:
+        """Paused, `step()` still ends aborted and expired requests but runs no forward."""
+        if paused != self.paused:
+            logger.info("generation %s", "paused" if paused else "continued")
+        self.paused = paused
 
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked_req)
@@ -409,7 +416,7 @@ class Scheduler:
             kv_total=total, kv_free=free, kv_cached=cached, kv_in_use=total - free - cached,
             last_heartbeat=self.last_heartbeat, num_retractions=self.num_retractions,
             num_sessions=len(self.sessions), device=str(self.res.device),
-            dtype=str(self.res.dtype).removeprefix("torch."),
+            dtype=str(self.res.dtype).removeprefix("torch."), paused=self.paused,
         )  # fmt: skip
 
     def check_idle_invariant(self) -> None:

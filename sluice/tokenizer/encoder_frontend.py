@@ -90,6 +90,9 @@ class EncoderFrontend:
     async def flush_cache(self) -> bool:
         return True  # an encoder caches nothing
 
+    def set_paused(self, paused: bool) -> None:
+        self.manager.set_paused(paused)
+
     # ---- services -------------------------------------------------------------------------
 
     async def get_internal_state(self) -> dict[str, Any]:

@@ -153,3 +153,18 @@ def test_many_aborts_are_applied_once_at_the_next_step() -> None:
     assert enc.batches == [8] and not s.to_abort  # then the first 8 of the other 25 ran
     s.add_request(_req("r0", 2))  # the rid is free again: it left the queue
     assert not s.outputs
+
+
+def test_paused_runs_no_batch_but_ends_aborts_and_continues() -> None:
+    enc = FakeEncoder()
+    s = _scheduler(enc)
+    s.set_paused(True)
+    for rid in ("a", "b"):
+        s.add_request(_req(rid, 3))
+    assert s.step() is None and enc.batches == [] and s.internal_state().paused
+    s.abort(AbortReq(rid="a"))
+    out = s.step()
+    assert out.rids == ["a"] and out.finished_reasons[0].status_code == 499 and enc.batches == []
+    s.set_paused(False)
+    out = s.step()
+    assert out.rids == ["b"] and enc.batches == [1] and not s.internal_state().paused

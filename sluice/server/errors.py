@@ -1,7 +1,9 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with a string code.
 
 `APIError` is what the HTTP layer raises; `RequestError` (from the TokenizerManager) is mapped to
-the same body. Every error that leaves the server goes through `error_response` or `error_frame`.
+the same body. Every error that leaves the server goes through `error_response` or `error_frame`,
+a route's own or the app's handlers: a route that lets a RequestError (or anything) escape still
+answers with this body (its status, or a logged 500).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sluice.tokenizer.normalize import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +131,11 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "Not found: no such route"
         return error_response(APIError(exc.status_code, message, code))
 
-    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(APIError, on_error)
+    app.add_exception_handler(RequestError, on_error)
+    app.add_exception_handler(Exception, on_error)  # anything else: a logged 500

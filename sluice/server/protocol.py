@@ -1,5 +1,9 @@
 """OpenAI and native request models (pydantic v2). Unknown fields are accepted and ignored.
 
+Every integer field is a `bounded_int`: a value outside the range it means (always inside what
+the wire to the scheduler carries, int64) is a 400 naming the field and the range. The token ids
+of prompts are checked against the vocabulary by the TokenizerManager, before anything is sent.
+
 Each request knows how to turn its sampling fields into the SGLang-named `sampling_params` dict
 that `GenerateReqInput` carries; only fields the client set are passed, so the TokenizerManager's
 defaults apply to the rest.
@@ -7,9 +11,13 @@ defaults apply to the rest.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from sluice.tokenizer.normalize import INT64_MAX, INT64_MIN, MAX_N, int_range_problem
 
 # generation options shared by chat and completions: OpenAI name -> SGLang name
 _SAMPLING_FIELDS = {
@@ -29,8 +37,32 @@ _SAMPLING_FIELDS = {
     "n": "n",
 }
 
-MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# OpenAI's default max_tokens of the legacy completions API (chat: the rest of the context)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+
+
+def bounded_int(lo: int = INT64_MIN, hi: int = INT64_MAX) -> Any:
+    """An int field that accepts [lo, hi] only (a 400 saying so otherwise)."""
+
+    def check(value: int) -> int:
+        problem = int_range_problem(value, lo, hi)
+        if problem is not None:
+            raise PydanticCustomError("int_range", problem)
+        return value
+
+    return Annotated[int, AfterValidator(check)]
+
+
+Count = bounded_int(0)  # a number of tokens, or of anything
+TokenId = bounded_int(0)  # within the vocabulary is checked where the vocabulary is known
+Positive = bounded_int(1)
+Seed = bounded_int()
+TopK = bounded_int(-1)  # -1: no limit
+NumSamples = bounded_int(1, MAX_N)
+NumTopLogprobs = bounded_int(0, MAX_TOP_LOGPROBS)
+LogprobStart = bounded_int(-1)  # -1: no prompt logprobs
 
 
 class _Lenient(BaseModel):
@@ -46,15 +78,15 @@ class SamplingRequest(_Lenient):
     """Fields common to /v1/chat/completions and /v1/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: TopK | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: NumSamples = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
@@ -62,7 +94,7 @@ class SamplingRequest(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: Count | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     user: str | None = None
@@ -76,8 +108,13 @@ class SamplingRequest(_Lenient):
     @classmethod
     def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            problem = (
+                int_range_problem(int(key), 0, INT64_MAX)
+                if _TOKEN_ID_KEY.fullmatch(key)
+                else f"must be an integer, got {key[:40]!r}"
+            )
+            if problem is not None:
+                raise PydanticCustomError("token_id", f"each key (a token id) {problem}")
         return v
 
     @property
@@ -126,9 +163,9 @@ def _part_text(part: dict[str, Any]) -> str:
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: NumTopLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -157,8 +194,12 @@ PromptInput = str | list[int] | list[str] | list[list[int]]
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: NumTopLogprobs | None = None
     suffix: str | None = None
+
+    def max_new_tokens(self) -> int:
+        """OpenAI's legacy default when max_tokens is not given (or null)."""
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     @field_validator("prompt")
     @classmethod
@@ -183,8 +224,8 @@ class GenerateRequest(_Lenient):
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(default=0, ge=0)
+    logprob_start_len: LogprobStart = -1
+    top_logprobs_num: Count = 0
     session_params: dict[str, Any] | None = None
     timeout: float | None = Field(default=None, ge=0)  # seconds in all (503 "timeout" after)
 
@@ -218,10 +259,18 @@ class AbortRequest(_Lenient):
     abort_all: bool = False
 
 
+class PauseGenerationRequest(_Lenient):
+    """SGLang's /pause_generation body. `in_place`: requests keep their state and queue;
+    `abort`: every request in flight is aborted first. (`retract`, which frees the KV of
+    running requests, is not supported.)"""
+
+    mode: Literal["abort", "in_place"] = "abort"
+
+
 class OpenSessionRequest(_Lenient):
     session_id: str | None = None
     timeout: float | None = Field(default=None, ge=0)  # idle seconds before it closes
-    capacity_of_str_len: int | None = Field(default=None, ge=0)  # accepted, not enforced
+    capacity_of_str_len: Count | None = None  # accepted, not enforced
 
 
 class CloseSessionRequest(_Lenient):

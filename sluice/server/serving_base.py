@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -32,6 +33,7 @@ M = TypeVar("M", bound=BaseModel)
 
 # status of a response nobody reads any more (nginx's "client closed request")
 CLIENT_CLOSED = 499
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -69,18 +71,46 @@ class ServingContext:
 
 
 async def parse_body(request: Request, model_cls: type[M]) -> M:
-    """The JSON body as `model_cls`; malformed JSON or a wrong field is a 400."""
+    """The JSON body as `model_cls`; malformed JSON or a wrong field is a 400. Strict JSON: no
+    NaN or Infinity, and text is Unicode (no lone surrogate escapes such as "\\ud800")."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = json.loads(raw, parse_constant=_not_json)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", "invalid_json") from None
+    except ValueError as exc:  # UnicodeDecodeError (bytes that are not UTF-8) among them
         raise APIError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if b"\\u" in raw and _has_lone_surrogate(data):
+        raise APIError(
+            400, "request body is not valid JSON: a string holds a lone UTF-16 surrogate "
+            "(an unpaired \\ud800-\\udfff escape)", "invalid_json",
+        )  # fmt: skip
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", "invalid_request_error")
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
         raise validation_error(list(exc.errors())) from None
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether any string (key or value) of parsed JSON `data` is not valid Unicode text."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 class OutputStream:

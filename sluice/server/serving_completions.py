@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.server.errors import APIError, as_api_error
 from sluice.server.logprobs import legacy_logprobs, merge_legacy
 from sluice.server.protocol import CompletionRequest
 from sluice.server.serving_base import OpenAIServingBase, ResponseState, finish_reason, new_rid
@@ -52,7 +53,13 @@ class OpenAIServingCompletion(OpenAIServingBase):
         if isinstance(prompt[0], str):
             return list(prompt)  # type: ignore[arg-type]
         lists = prompt if isinstance(prompt[0], list) else [prompt]
-        return [await self.tm.detokenize(list(ids)) for ids in lists]  # type: ignore[arg-type]
+        try:
+            return [await self.tm.detokenize(list(ids)) for ids in lists]  # type: ignore[arg-type]
+        except Exception as exc:  # a token id outside the vocabulary: the prompt's fault
+            err = as_api_error(exc)
+            if err.status_code != 400:
+                raise
+            raise APIError(400, err.message, err.code, "prompt") from None
 
     async def prepare(self, req: CompletionRequest, state: ResponseState) -> None:
         state.extra["echo"] = await self.echo_prompts(req) if req.echo else None

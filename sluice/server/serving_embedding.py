@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from sluice.server.errors import APIError, error_response
+from sluice.server.protocol import Positive
 from sluice.server.serving_base import ServingContext, parse_body, run_until_disconnect
 
 ENCODING_FORMATS = ("float", "base64")
@@ -33,8 +34,8 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: str = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    dimensions: Positive | None = None
+    truncate_prompt_tokens: Positive | None = None
     user: str | None = None
 
 

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from sluice.server.errors import APIError, error_response
+from sluice.server.protocol import Positive
 from sluice.server.serving_base import ServingContext, new_rid, parse_body, run_until_disconnect
 from sluice.server.serving_embedding import pick_model
 from sluice.server.serving_score import label_probabilities
@@ -41,7 +42,7 @@ class RerankRequest(BaseModel):
     model: str | None = None
     query: str
     documents: list[str | RerankDocument]
-    top_n: int | None = Field(default=None, ge=1)
+    top_n: Positive | None = None
     return_documents: bool = True
 
 

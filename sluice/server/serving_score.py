@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from sluice.server.errors import APIError, error_response
+from sluice.server.protocol import TokenId
 from sluice.server.serving_base import ServingContext, parse_body, run_until_disconnect
 from sluice.server.serving_embedding import pick_model
 
@@ -28,7 +29,7 @@ class ScoreRequest(BaseModel):
     model: str | None = None
     query: str | list[int]
     items: str | list[str] | list[list[int]]
-    label_token_ids: list[int] | None = None
+    label_token_ids: list[TokenId] | None = None
     apply_softmax: bool = False
     item_first: bool = False
 

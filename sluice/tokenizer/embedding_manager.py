@@ -52,6 +52,7 @@ from sluice.messages import (
     GetInternalStateReq,
     InternalStateReply,
     SchedulerHeartbeat,
+    SetPausedReq,
     TokenizedEmbeddingReqInput,
 )
 from sluice.model.encoder_config import default_embedding_model_path, is_encoder_model
@@ -224,6 +225,11 @@ class EmbeddingManager:
         self.counters.count_abort(cause, len(rids) + tokenizing)
         return len(rids) + tokenizing
 
+    def set_paused(self, paused: bool) -> None:
+        """Pause or continue the model's scheduler (fire and forget, ordered with requests)."""
+        if self.is_healthy:
+            self._send(SetPausedReq(paused))
+
     def _send_aborts(self, rids: list[str], reason: str) -> None:
         if self.is_decoder:  # its scheduler's abort_all would end generation requests too
             for rid in rids:
@@ -334,6 +340,8 @@ class EmbeddingManager:
         out = []
         for i, item in enumerate(inputs):
             seq = encoded[i] if i in encoded else list(item)
+            if i not in encoded:  # every id the client sent is checked, the truncated ones too
+                self._check_vocab(seq, param)
             out.append(Encoded(seq[:limit] if limit else seq))
         return out
 
@@ -354,11 +362,7 @@ class EmbeddingManager:
     def _validate(self, ids: list[int], param: str) -> None:
         if not ids:
             raise RequestError(f"{param} must not be empty", param=param)
-        bad = next((t for t in ids if not (type(t) is int and 0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise RequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param
-            )
+        self._check_vocab(ids, param)
         if len(ids) > self.context_len:
             raise RequestError(
                 f"This model's maximum context length is {self.context_len} tokens. However, "
@@ -366,6 +370,13 @@ class EmbeddingManager:
                 + (", or set truncate_prompt_tokens." if param == "input" else "."),
                 code="context_length_exceeded", param=param,
             )  # fmt: skip
+
+    def _check_vocab(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not (type(t) is int and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise RequestError(
+                f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})", param=param
+            )
 
     def _validate_labels(self, label_token_ids: list[int]) -> None:
         if not label_token_ids:

@@ -52,8 +52,10 @@ from sluice.messages import (
     InternalStateReply,
     OpenSessionReply,
     OpenSessionReq,
+    SamplingParams,
     SchedulerHeartbeat,
     SessionParams,
+    SetPausedReq,
     TokenizedGenerateReqInput,
 )
 from sluice.model.model_config import ModelConfig
@@ -61,7 +63,13 @@ from sluice.tokenizer import chat
 from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.embedding_manager import EmbeddingManager, decoder_info
 from sluice.tokenizer.generate_input import GenerateReqInput
-from sluice.tokenizer.normalize import Item, RequestError, normalize, queue_full_error
+from sluice.tokenizer.normalize import (
+    Item,
+    RequestError,
+    check_int,
+    normalize,
+    queue_full_error,
+)
 from sluice.tokenizer.req_state import ReqState, merge_update, output_dict
 from sluice.utils import ipc
 
@@ -227,6 +235,7 @@ class TokenizerManager:
         for item, state in zip(items, states, strict=True):
             ids = prompt_ids[item.prompt_index]
             self._validate_prompt(ids, param, obj)
+            self._validate_logit_bias(item.params)
             if session is None or item.params.max_new_tokens is not None:
                 # a session turn's prompt is built by the scheduler, which fills the default
                 self._resolve_max_new_tokens(item, len(ids))
@@ -271,6 +280,14 @@ class TokenizerManager:
             raise RequestError(
                 f"logprob_start_len {obj.logprob_start_len} is past the prompt ({len(ids)} tokens)",
                 param="logprob_start_len",
+            )
+
+    def _validate_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.logit_bias or {} if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"logit_bias key {bad} is outside the vocabulary [0, {vocab})", param="logit_bias"
             )
 
     def _resolve_max_new_tokens(self, item: Item, prompt_len: int) -> None:
@@ -448,7 +465,10 @@ class TokenizerManager:
     async def detokenize(self, ids: list[int]) -> str:
         size = len(self.tokenizer)
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < size for t in ids):
-            raise RequestError(f"tokens must be a list of ids in [0, {size})", param="tokens")
+            bad = next((t for t in ids if not (type(t) is int and 0 <= t < size)), ids)
+            raise RequestError(
+                f"token id {bad!r} is outside the vocabulary [0, {size})", param="tokens"
+            )
         return await self._run(self.tokenizer.decode, ids)
 
     async def get_internal_state(self) -> dict[str, Any]:
@@ -483,6 +503,11 @@ class TokenizerManager:
         self._check_healthy()
         ipc.send(self._to_scheduler, CloseSessionReq(session_id))
 
+    def set_paused(self, paused: bool) -> None:
+        """Fire and forget, ordered with the requests sent after it (one socket)."""
+        self._check_healthy()
+        ipc.send(self._to_scheduler, SetPausedReq(paused))
+
     async def flush_cache(self) -> bool:
         """True if the radix cache was emptied; False (nothing done) while requests run."""
         reply = await self._control(FlushCacheReq(), self._flush_waiters)
@@ -491,8 +516,9 @@ class TokenizerManager:
     async def _control(self, msg: Any, waiters: deque[asyncio.Future[Any]]) -> Any:
         self._check_healthy()
         fut = asyncio.get_running_loop().create_future()
-        waiters.append(fut)
+        # sent first: a message that fails to encode leaves no waiter to take another's reply
         ipc.send(self._to_scheduler, msg)
+        waiters.append(fut)
         try:
             return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
         except TimeoutError:
@@ -521,9 +547,12 @@ def _session_params(params: dict[str, Any] | None) -> SessionParams | None:
     if params is None:
         return None
     try:
-        return msgspec.convert(params, SessionParams, strict=False)
+        session = msgspec.convert(params, SessionParams, strict=False)
     except msgspec.ValidationError as e:
         raise RequestError(f"invalid session_params: {e}", param="session_params") from e
+    if session.offset is not None:
+        check_int("session_params.offset", session.offset, 0)
+    return session
 
 
 def _context_error(message: str) -> RequestError:

@@ -20,17 +20,54 @@ from sluice.tokenizer.generate_input import GenerateReqInput
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__) | {"n"}
 MAX_N = 128
-# field -> (lowest, highest) accepted; None: unbounded on that side
+# The wire to the scheduler (msgpack) carries integers in [-2**63, 2**64 - 1] and fails on any
+# other. Every integer a request carries is bounded to the range it means, always inside int64,
+# before it is sent: `int_range_problem` is the one check (the HTTP models use it too).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# integer sampling fields -> (lowest, highest) accepted
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "max_new_tokens": (0, INT64_MAX),
+    "min_new_tokens": (0, INT64_MAX),
+    "top_k": (-1, INT64_MAX),
+    "seed": (INT64_MIN, INT64_MAX),
+}
+# float sampling fields -> (lowest, highest) accepted; None: unbounded on that side
 _RANGES: dict[str, tuple[float | None, float | None]] = {
     "temperature": (0.0, None),
     "top_p": (0.0, 1.0),
     "min_p": (0.0, 1.0),
-    "max_new_tokens": (0, None),
-    "min_new_tokens": (0, None),
     "repetition_penalty": (0.0, 2.0),
     "frequency_penalty": (-2.0, 2.0),
     "presence_penalty": (-2.0, 2.0),
 }
+
+
+def int_range_problem(value: Any, lo: int, hi: int) -> str | None:
+    """None when `value` is an integer (not a bool) in [lo, hi]; else what is wrong with it."""
+    if type(value) is int and lo <= value <= hi:
+        return None
+    if isinstance(value, int) and value.bit_length() > 128:
+        text = f"an integer of {value.bit_length()} bits"  # (too long to quote)
+    else:
+        text = repr(value)
+        text = text if len(text) <= 40 else f"{text[:40]}..."
+    return f"must be an integer in [{lo}, {hi}], got {text}"
+
+
+def check_int(
+    name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX, param: str | None = None
+) -> int:
+    """`value`, if it is an integer in [lo, hi]; else a RequestError naming `name` and the range
+    (`param`: the field, when `name` is a part of it)."""
+    problem = int_range_problem(value, lo, hi)
+    if problem is not None:
+        raise RequestError(f"{name} {problem}", param=param or name)
+    return value
+
+
+def wrap_int64(value: int) -> int:
+    """`value` wrapped into int64 (two's complement): the same 64 bits a seed is hashed from."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 class RequestError(Exception):
@@ -94,13 +131,11 @@ def normalize(obj: GenerateReqInput) -> list[Item]:
         for s in range(n):
             sample = params if s == 0 else msgspec.structs.replace(params)
             if s > 0 and params.seed is not None:  # distinct, still reproducible, samples
-                sample.seed = params.seed + s
+                sample.seed = wrap_int64(params.seed + s)
             index = p * n + s
             items.append(Item(index, p, rids[index], prompt, sample))
-    if obj.top_logprobs_num < 0:
-        raise RequestError("top_logprobs_num must be >= 0", param="top_logprobs_num")
-    if obj.logprob_start_len < -1:
-        raise RequestError("logprob_start_len must be >= -1", param="logprob_start_len")
+    check_int("top_logprobs_num", obj.top_logprobs_num, 0)
+    check_int("logprob_start_len", obj.logprob_start_len, -1)
     if obj.session_params is not None:
         _check_session_request(obj, len(items))
     return items
@@ -169,10 +204,7 @@ def parse_sampling_params(params: dict[str, Any]) -> tuple[SamplingParams, int]:
     if unknown:
         raise RequestError(f"unknown sampling parameter {unknown[0]!r}", param=unknown[0])
     n = params.pop("n", 1)
-    if n is None:
-        n = 1
-    if type(n) is not int or not 1 <= n <= MAX_N:
-        raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
+    n = check_int("n", 1 if n is None else n, 1, MAX_N)
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
     if params.get("stop") is None:
@@ -195,6 +227,13 @@ def _error_param(e: Exception) -> str | None:
 
 
 def _check_ranges(sp: SamplingParams) -> None:
+    for name, (ilo, ihi) in _INT_RANGES.items():
+        if getattr(sp, name) is not None:
+            check_int(name, getattr(sp, name), ilo, ihi)
+    for token in sp.stop_token_ids:
+        check_int("a stop_token_ids entry (a token id)", token, 0, param="stop_token_ids")
+    for token in sp.logit_bias or {}:
+        check_int("a logit_bias key (a token id)", token, 0, param="logit_bias")
     for name, (lo, hi) in _RANGES.items():
         value = getattr(sp, name)
         if value is None:

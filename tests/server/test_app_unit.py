@@ -10,6 +10,7 @@ import pytest
 
 from sluice.config import ServerArgs
 from sluice.server.app import create_app
+from sluice.tokenizer.normalize import RequestError
 from tests.server.conftest import FakeRequestError
 
 CHAT = "/v1/chat/completions"
@@ -292,16 +293,26 @@ def test_generate_native(client) -> None:
     _assert_error(client.post("/generate", json={"sampling_params": {}}), 400)
 
 
-def test_keepalive_while_waiting_for_first_token(client, fake_tm) -> None:
-    fake_tm.first_delay = 0.3
-    _, raw = _stream(client, CHAT, {"messages": MSG, "stream": True, "max_tokens": 1})
-    assert ": keep-alive\n\n" in raw.decode()
-    assert raw.decode().index(": keep-alive") < raw.decode().index('"role"')
+def test_keepalive_while_waiting_for_first_token(fake_tm) -> None:
+    """No token ever comes (the fake hangs): the stream's first frame is a keep-alive comment;
+    the client then leaves, which closes the generator."""
+    fake_tm.hang = True
+    app = create_app(fake_tm, ServerArgs(), keepalive_interval=0.05)
+    sent = _asgi_call(app, {"messages": MSG, "stream": True, "max_tokens": 1}, until_body=True)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 200
+    first = next(m["body"] for m in sent if m["type"] == "http.response.body" and m["body"])
+    assert first == b": keep-alive\n\n"
+    assert fake_tm.num_closed == 1
 
 
-def _asgi_call(app, body: dict, disconnect_after: float) -> list[dict]:
-    """Drive the app directly; the client disconnects after `disconnect_after` seconds."""
+def _asgi_call(
+    app, body: dict, disconnect_after: float = 0.0, until_body: bool = False
+) -> list[dict]:
+    """Drive the app directly; the client disconnects after `disconnect_after` seconds, or
+    (`until_body`) once the first non-empty body frame was sent."""
     sent: list[dict] = []
+    got_body = asyncio.Event()
     payload = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
         "method": "POST", "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(),
@@ -312,14 +323,19 @@ def _asgi_call(app, body: dict, disconnect_after: float) -> list[dict]:
     async def receive() -> dict:
         if messages:
             return messages.pop(0)
-        await asyncio.sleep(disconnect_after)
+        if until_body:
+            await got_body.wait()
+        else:
+            await asyncio.sleep(disconnect_after)
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         sent.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            got_body.set()
 
     async def main() -> None:
-        await asyncio.wait_for(app(scope, receive, send), 5)
+        await asyncio.wait_for(app(scope, receive, send), 60)  # only against a hang
 
     asyncio.run(main())
     return sent
@@ -535,3 +551,31 @@ def test_server_info_lists_no_encoder_for_an_encoder_main_model(fake_tm) -> None
 
 def test_server_info_without_encoders_has_an_empty_map(client) -> None:
     assert client.get("/get_server_info").json()["encoder_internal_states"] == {}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"messages": [], "temperature": NaN}', b'{"messages": [], "max_tokens": Infinity}',
+     b'{"messages": [{"role": "user", "content": "\\ud800"}]}', b"[" * 100_000,
+     b'{"messages": [{"role": "user", "content": "\xff"}]}'],
+)  # fmt: skip
+def test_not_strict_json_is_a_400(client, content: bytes) -> None:
+    resp = client.post(CHAT, content=content, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json", resp.text
+
+
+def test_surrogate_pairs_are_text(client, fake_tm) -> None:
+    body = b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 1}'
+    resp = client.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    assert fake_tm.templates[-1][0]["content"] == "😀"
+
+
+def test_a_request_error_raised_in_any_route_is_its_400(client, fake_tm) -> None:
+    async def refuse(*args, **kwargs):
+        raise RequestError("give a rid or abort_all", param="rid")
+
+    fake_tm.abort_request = refuse
+    resp = client.post("/abort_request", json={})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "rid"

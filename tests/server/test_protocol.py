@@ -10,9 +10,21 @@ from pydantic import ValidationError
 from sluice.config import ServerArgs
 from sluice.server.app import create_app
 from sluice.server.logprobs import TokenText, chat_logprobs, legacy_logprobs
-from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    OpenSessionRequest,
+)
 from sluice.server.serving_chat import OpenAIServingChat
 from sluice.server.serving_completions import OpenAIServingCompletion
+from sluice.server.serving_embedding import EmbeddingRequest
+from sluice.server.serving_rerank import RerankRequest
+from sluice.server.serving_score import ScoreRequest
+from sluice.tokenizer.generate_input import GenerateReqInput
+from sluice.tokenizer.normalize import RequestError, normalize, parse_sampling_params
+
+CHAT_PATH = "/v1/chat/completions"
 
 
 def _chat(**kw):
@@ -130,3 +142,93 @@ def test_byte_level_bpe_token_bytes() -> None:
             return "Ã¤"  # byte-level form of b"\xc3\xa4"
 
     assert TokenText(ByteLevel()).bytes(0) == "ä".encode()
+
+
+# ---- integers bounded to what the wire to the scheduler carries --------------------------------
+
+BEYOND_INT64 = 1180591620717411303424  # 2**70: msgpack cannot encode it
+INT64_RANGE = "[-9223372036854775808, 9223372036854775807]"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("model", "fields", "param"),
+    [
+        (ChatCompletionRequest, {"seed": BEYOND_INT64}, "seed"),
+        (ChatCompletionRequest, {"seed": -BEYOND_INT64}, "seed"),
+        (ChatCompletionRequest, {"n": BEYOND_INT64}, "n"),
+        (ChatCompletionRequest, {"max_tokens": 2**63}, "max_tokens"),
+        (ChatCompletionRequest, {"max_completion_tokens": 2**64}, "max_completion_tokens"),
+        (ChatCompletionRequest, {"min_tokens": BEYOND_INT64}, "min_tokens"),
+        (ChatCompletionRequest, {"top_k": BEYOND_INT64}, "top_k"),
+        (ChatCompletionRequest, {"top_k": -2}, "top_k"),
+        (ChatCompletionRequest, {"stop_token_ids": [1, 2**64]}, "stop_token_ids.1"),
+        (ChatCompletionRequest, {"logit_bias": {str(2**64): 1}}, "logit_bias"),
+        (ChatCompletionRequest, {"logit_bias": {"²": 1}}, "logit_bias"),
+        (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 2**64}, "top_logprobs"),
+        (CompletionRequest, {"logprobs": BEYOND_INT64}, "logprobs"),
+        (GenerateRequest, {"top_logprobs_num": BEYOND_INT64}, "top_logprobs_num"),
+        (GenerateRequest, {"logprob_start_len": -BEYOND_INT64}, "logprob_start_len"),
+        (OpenSessionRequest, {"capacity_of_str_len": BEYOND_INT64}, "capacity_of_str_len"),
+        (EmbeddingRequest, {"dimensions": BEYOND_INT64}, "dimensions"),
+        (EmbeddingRequest, {"truncate_prompt_tokens": BEYOND_INT64}, "truncate_prompt_tokens"),
+        (RerankRequest, {"top_n": BEYOND_INT64}, "top_n"),
+        (ScoreRequest, {"label_token_ids": [BEYOND_INT64]}, "label_token_ids.0"),
+    ],
+)  # fmt: skip
+def test_integer_fields_are_bounded(model: type, fields: dict, param: str) -> None:
+    base = {
+        ChatCompletionRequest: {"messages": MSG}, CompletionRequest: {"prompt": "x"},
+        GenerateRequest: {"text": "x"}, OpenSessionRequest: {}, EmbeddingRequest: {"input": "x"},
+        RerankRequest: {"query": "q", "documents": ["d"]},
+        ScoreRequest: {"query": "q", "items": ["i"]},
+    }[model]  # fmt: skip
+    with pytest.raises(ValidationError) as info:
+        model.model_validate({**base, **fields})
+    err = info.value.errors()[0]
+    assert ".".join(map(str, err["loc"])) == param
+    assert "must be an integer" in err["msg"], err["msg"]
+
+
+def test_seed_beyond_int64_is_a_400_naming_seed_and_its_range(client, fake_tm) -> None:
+    resp = client.post(CHAT_PATH, json={"messages": MSG, "seed": BEYOND_INT64})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "seed" and err["type"] == "invalid_request_error"
+    assert INT64_RANGE in err["message"] and str(BEYOND_INT64) in err["message"]
+    assert not fake_tm.requests  # refused before anything was sent
+
+
+def test_int64_seeds_and_their_samples_stay_on_the_wire() -> None:
+    req = _chat(seed=2**63 - 1, n=3)
+    assert req.sampling_params()["seed"] == 2**63 - 1
+    items = normalize(GenerateReqInput(text="x", sampling_params=req.sampling_params()))
+    assert [it.params.seed for it in items] == [2**63 - 1, -(2**63), -(2**63) + 1]
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [({"seed": BEYOND_INT64}, "seed"), ({"top_k": 2**64}, "top_k"),
+     ({"max_new_tokens": 2**64}, "max_new_tokens"), ({"min_new_tokens": 2**64}, "min_new_tokens"),
+     ({"stop_token_ids": [2**64]}, "stop_token_ids"), ({"n": 2**64}, "n"),
+     ({"logit_bias": {str(2**64): 1}}, "logit_bias")],
+)  # fmt: skip
+def test_native_sampling_params_are_bounded(params: dict, param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_sampling_params(params)
+    assert info.value.param == param and "must be an integer in [" in info.value.message
+
+
+def test_completions_default_to_16_tokens_chat_to_the_context() -> None:
+    assert (
+        CompletionRequest.model_validate({"prompt": "x"}).sampling_params()["max_new_tokens"] == 16
+    )
+    explicit = CompletionRequest.model_validate({"prompt": "x", "max_tokens": None})
+    assert explicit.sampling_params()["max_new_tokens"] == 16
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": 3}).max_new_tokens() == 3
+    assert "max_new_tokens" not in _chat().sampling_params()  # the TokenizerManager fills it
+
+
+def test_completions_without_max_tokens_ask_for_16(client, fake_tm) -> None:
+    assert client.post("/v1/completions", json={"prompt": "ab"}).status_code == 200
+    assert fake_tm.requests[-1].sampling_params["max_new_tokens"] == 16

@@ -194,6 +194,13 @@ def test_context_length_error_quotes_the_numbers(serving: Serving) -> None:
         ({"temperature": "hot"}, "temperature"),
         ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
         ({"bogus": 1}, "bogus"),
+        # beyond what the wire to the scheduler carries (int64), or outside the vocabulary
+        ({"seed": 2**70}, "seed"),
+        ({"top_k": 2**64}, "top_k"),
+        ({"min_new_tokens": 2**64}, "min_new_tokens"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ({"logit_bias": {str(2**64): 1.0}}, "logit_bias"),
+        ({"logit_bias": {"49152": 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_name_the_field(
@@ -323,3 +330,36 @@ def test_abort_while_tokenizing_never_reaches_the_scheduler(serving: Serving) ->
     out = serving.run(go())
     assert out["meta_info"]["finish_reason"]["code"] == "request_aborted"
     assert serving.tm.counters.unknown_rid_outputs == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"top_logprobs_num": 2**64, "return_logprob": True}, "top_logprobs_num"),
+        ({"logprob_start_len": 2**64}, "logprob_start_len"),
+        ({"session_params": {"id": "s", "offset": 2**64}}, "session_params.offset"),
+        ({"session_params": {"id": "s", "offset": -1}}, "session_params.offset"),
+    ],
+)
+def test_integers_beyond_int64_are_400s_not_send_errors(
+    serving: Serving, kwargs: dict[str, Any], param: str
+) -> None:
+    err = serving.error(text="hi", sampling_params={"max_new_tokens": 1}, **kwargs)
+    assert (err.status_code, err.param) == (400, param), err.message
+    assert "must be an integer in [" in err.message
+
+
+def test_a_control_message_that_fails_to_encode_leaves_the_next_one_its_reply(
+    serving: Serving,
+) -> None:
+    """open_session used to queue its waiter before sending: a message that could not be
+    encoded left a waiter that took the next call's reply (every later call then timed out)."""
+
+    async def go() -> str:
+        with pytest.raises(OverflowError):
+            await serving.tm.open_session("bad", 0.0, 2**70)
+        sid = await asyncio.wait_for(serving.tm.open_session("good"), 10)
+        serving.tm.close_session(sid)
+        return sid
+
+    assert serving.run(go()) == "good"

@@ -27,6 +27,7 @@ from sluice.server.protocol import (
     CloseSessionRequest,
     DetokenizeRequest,
     OpenSessionRequest,
+    PauseGenerationRequest,
     TokenizeRequest,
 )
 from sluice.server.serving_base import ServingContext, parse_body
@@ -36,6 +37,7 @@ from sluice.server.serving_embedding import ServingEmbedding
 from sluice.server.serving_generate import ServingGenerate
 from sluice.server.serving_rerank import ServingRerank
 from sluice.server.serving_score import ServingScore
+from sluice.server.worker_info import identity, model_info, quiet_protocol_probes
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ def create_app(
     if counters:
         ctx.metrics.watch_counters(*(c.as_dict for c in counters))
     install_error_handlers(app)
+    quiet_protocol_probes()
     _add_generation_routes(app, ctx)
     _add_encoder_routes(app, ctx, list(embedders or []))
     _add_info_routes(app, ctx, server_args)
@@ -259,29 +262,27 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
                 )  # fmt: skip
         return Response(status_code=200)
 
+    # /model_info and /server_info are SGLang's newer names, which its gateway asks first
+    info = model_info(tm, server_args, ctx.model_name)
+    names = identity(tm, server_args, ctx.model_name)
+
     @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
-        cfg = tm.model_config
-        return {
-            "model_path": getattr(cfg, "source_path", None),
-            "tokenizer_path": getattr(cfg, "hf_dir", None),
-            "served_model_name": ctx.model_name,
-            "architecture": getattr(cfg, "architecture", None),
-            "context_length": int(tm.context_len),
-            "vocab_size": getattr(cfg, "vocab_size", None),
-            "is_generation": getattr(tm, "can_generate", True),
-        }
+    @app.get("/model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return info
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        """`internal_state`: the main model's processes (503 if its scheduler does not answer);
+        """The settings, with `model_path` and `served_model_name` resolved (never null);
+        `internal_state`: the main model's processes (503 if its scheduler does not answer);
         `encoder_internal_states`: each other model's scheduler, by model name (never fails)."""
         main = getattr(tm, "manager", None)  # an encoder main model's manager: internal_state
         others = [e for e in app.state.embedders if e is not main]
         state, encoder_states = await asyncio.gather(_internal_state(ctx), _encoder_states(others))
         return {
-            **_public_args(server_args), "version": __version__, "internal_state": state,
-            "encoder_internal_states": encoder_states,
+            **_public_args(server_args), **names, "version": __version__,
+            "internal_state": state, "encoder_internal_states": encoder_states,
         }  # fmt: skip
 
     @app.get("/metrics")
@@ -325,11 +326,40 @@ def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
         with 499 "request_aborted"; num_aborted counts rids (one per input), and one for each
         pooled call whose inputs were still being tokenized."""
         req = await parse_body(request, AbortRequest)
-        num = int(await tm.abort_request(rid=req.rid, abort_all=req.abort_all) or 0)
         if req.abort_all:
-            for encoder in app.state.embedders:
-                num += encoder.abort_all(499, "request_aborted", "the request was aborted")
+            return {"success": True, "num_aborted": await abort_all_models()}
+        num = int(await tm.abort_request(rid=req.rid) or 0)
         return {"success": True, "num_aborted": num}
+
+    async def abort_all_models() -> int:
+        num = int(await tm.abort_request(abort_all=True) or 0)
+        for encoder in app.state.embedders:
+            num += encoder.abort_all(499, "request_aborted", "the request was aborted")
+        return num
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict[str, Any]:
+        """Every model's scheduler stops running forward steps until /continue_generation;
+        requests sent meanwhile queue. An empty body means SGLang's default, mode "abort"."""
+        empty = not (await request.body()).strip()
+        req = (
+            PauseGenerationRequest() if empty else await parse_body(request, PauseGenerationRequest)
+        )
+        num = 0
+        if req.mode == "abort":
+            num = await abort_all_models()
+        _set_paused(True)
+        return {"success": True, "mode": req.mode, "num_aborted": num}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict[str, Any]:
+        _set_paused(False)
+        return {"success": True}
+
+    def _set_paused(paused: bool) -> None:
+        tm.set_paused(paused)
+        for encoder in app.state.embedders:
+            encoder.set_paused(paused)
 
     @app.post("/open_session")
     async def open_session(request: Request) -> str:

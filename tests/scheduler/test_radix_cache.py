@@ -228,11 +228,16 @@ def test_long_keys_match_fast():
         elapsed.append(time.perf_counter() - start)
     assert result.indices.numel() == 10_000
     assert min(elapsed) < 2e-3, f"match of a 10k-token key took {min(elapsed) * 1e3:.2f} ms"
-    dup = alloc.alloc(10_000)
-    start = time.perf_counter()
-    assert cache.insert(key, dup) == 10_000
-    assert time.perf_counter() - start < 20e-3
-    alloc.free(dup)
+    inserts = []
+    for _ in range(5):  # the best of a few: one stall of a loaded machine is not a regression
+        dup = alloc.alloc(10_000)
+        start = time.perf_counter()
+        assert cache.insert(key, dup) == 10_000
+        inserts.append(time.perf_counter() - start)
+        alloc.free(dup)
+    assert min(inserts) < 20e-3, (
+        f"insert of a cached 10k-token key took {min(inserts) * 1e3:.2f} ms"
+    )
     assert_idle(alloc, cache)
 
 

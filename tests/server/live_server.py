@@ -23,10 +23,14 @@ import psutil
 from tests.tiny_models import make_tiny_llama
 
 
-def long_context_tiny_llama(dir: Path, tokenizer_dir: str) -> str:
-    """The tiny Llama with room for 16384 positions, so one request can decode for seconds
-    (about 1 ms a token here)."""
-    return make_tiny_llama(dir, tokenizer_dir=tokenizer_dir, max_position_embeddings=16384)
+def long_context_tiny_llama(
+    dir: Path, tokenizer_dir: str, max_position_embeddings: int = 16384
+) -> str:
+    """The tiny Llama with room for `max_position_embeddings` positions, so one request can
+    decode for seconds (about 1 ms a token here)."""
+    return make_tiny_llama(
+        dir, tokenizer_dir=tokenizer_dir, max_position_embeddings=max_position_embeddings
+    )
 
 
 def _free_port() -> int:

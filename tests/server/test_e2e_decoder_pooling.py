@@ -4,15 +4,17 @@ next to it when it is installed (so that routing by `model` is exercised both wa
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
-from tests.server.live_server import LiveServer, assert_no_state_left, running_server
+from tests.server.live_server import LiveServer, assert_no_state_left, metric, running_server
 
 openai = pytest.importorskip("openai")
 
@@ -30,7 +32,9 @@ needs_embedder = pytest.mark.skipif(not HAS_EMBEDDER, reason="no default embeddi
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     tmp = tmp_path_factory.mktemp("decoder_pooling")
-    args = ["--log-level", "warning", *([] if HAS_EMBEDDER else ["--no-embedding-model"])]
+    # float32: vectors and scores are compared across requests and with greedy generation
+    args = ["--log-level", "warning", "--dtype", "float32",
+            *([] if HAS_EMBEDDER else ["--no-embedding-model"])]  # fmt: skip
     with running_server(None, args, tmp / "server.log", num_threads=None) as srv:
         yield srv
 
@@ -182,7 +186,7 @@ def test_rerank_without_model_prefers_the_embedding_model(base: str) -> None:
         ({"label_token_ids": []}, 400, "label_token_ids"),
         ({"label_token_ids": None}, 400, "label_token_ids"),
         ({"label_token_ids": [49152]}, 400, "label_token_ids"),
-        ({"label_token_ids": [-1]}, 400, "label_token_ids"),
+        ({"label_token_ids": [-1]}, 400, "label_token_ids.0"),  # the dotted location
         ({"items": [[1, 2]]}, 400, "items"),
         ({"query": [1, 2], "items": ["text"]}, 400, "items"),
         ({"items": [[1, 99999]], "query": [1]}, 400, "items"),
@@ -219,10 +223,32 @@ def test_too_long_inputs_quote_the_context_length(base: str, chat_model: str) ->
 
 
 def test_a_client_that_goes_away_leaves_nothing_behind(server: LiveServer, chat_model) -> None:
-    body = {"model": chat_model, "input": ["word " * 400] * 16}  # seconds of prefill here
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.base}/v1/embeddings", json=body, timeout=0.3)
-    assert_no_state_left(server.wait_idle(timeout=60))
+    """Paused, the call's 16 inputs wait in the scheduler until its client goes away: each is
+    counted once as a disconnect, and no state is left, already while paused (aborts are
+    taken in then)."""
+    disconnects = 'sluice_request_aborts_total{cause="client_disconnect"}'
+    counted_before = metric(server.metrics(), disconnects)
+    body = {"model": chat_model, "input": ["word " * 400] * 16}
+
+    def all_queued(state: dict[str, Any]) -> bool:
+        return state["paused"] and state["num_waiting_reqs"] == 16
+
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
+            resp = await client.post("/pause_generation", json={"mode": "in_place"})
+            assert resp.status_code == 200 and resp.json()["success"], resp.text
+            try:
+                call = asyncio.create_task(client.post("/v1/embeddings", json=body))
+                await asyncio.to_thread(server.wait_for, all_queued, 30)
+                call.cancel()  # the client goes away: its connection closes
+                await asyncio.gather(call, return_exceptions=True)
+                await asyncio.to_thread(server.wait_idle, 30)
+            finally:
+                assert (await client.post("/continue_generation")).status_code == 200
+
+    asyncio.run(go())
+    assert_no_state_left(server.wait_idle())
+    assert metric(server.metrics(), disconnects) - counted_before == 16
 
 
 def test_after_everything_the_server_serves_and_holds_nothing(

@@ -70,7 +70,7 @@ def test_float_and_base64_match_sentence_transformers(client, reference) -> None
 
 def test_raw_base64_is_little_endian_float32(server: str, reference) -> None:
     body = {"model": EMBED, "input": SENTENCES[0], "encoding_format": "base64"}
-    data = httpx.post(f"{server}/v1/embeddings", json=body).json()["data"]
+    data = httpx.post(f"{server}/v1/embeddings", json=body, timeout=60).json()["data"]
     vec = np.frombuffer(base64.b64decode(data[0]["embedding"]), dtype="<f4")
     assert vec.shape == (384,) and _cos(vec, reference[0]) >= 0.9999
 
@@ -90,7 +90,7 @@ def test_token_ids_dimensions_and_default_model(server: str, client, reference) 
     )
     vec = np.array(short.data[0].embedding)
     assert vec.shape == (64,) and abs(np.linalg.norm(vec) - 1) < 1e-5
-    no_model = httpx.post(f"{server}/v1/embeddings", json={"input": "hi"}).json()
+    no_model = httpx.post(f"{server}/v1/embeddings", json={"input": "hi"}, timeout=60).json()
     assert no_model["model"] == EMBED
 
 
@@ -123,7 +123,7 @@ def test_concurrent_clients_get_the_vectors_of_their_own_inputs(client, referenc
     ],
 )
 def test_bad_requests_are_4xx_with_openai_bodies(server: str, body, status, param) -> None:
-    resp = httpx.post(f"{server}/v1/embeddings", json={"model": EMBED, **body})
+    resp = httpx.post(f"{server}/v1/embeddings", json={"model": EMBED, **body}, timeout=60)
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["param"] == param
     if status == 404:
@@ -143,19 +143,23 @@ def test_truncation_only_when_asked(client) -> None:
 def test_rerank_by_cross_encoder_and_by_cosine(server: str) -> None:
     docs = ["Paris is the capital of France.", {"text": "Bananas are yellow."}, "The Eiffel Tower."]
     body = {"query": "capital of France", "documents": docs, "top_n": 2}
-    cross = httpx.post(f"{server}/v1/rerank", json=body).json()
+    cross = httpx.post(f"{server}/v1/rerank", json=body, timeout=60).json()
     assert cross["method"] == "cross-encoder" and cross["model"] == RERANK
     assert len(cross["results"]) == 2 and cross["usage"]["total_tokens"] > 0
     scores = [r["relevance_score"] for r in cross["results"]]
     assert scores == sorted(scores, reverse=True)
-    cosine = httpx.post(f"{server}/rerank", json={**body, "model": EMBED, "top_n": None}).json()
+    cosine = httpx.post(
+        f"{server}/rerank", json={**body, "model": EMBED, "top_n": None}, timeout=60
+    ).json()
     assert cosine["method"] == "cosine" and len(cosine["results"]) == 3
     assert cosine["results"][0]["index"] == 0  # MiniLM knows where Paris is
     assert cosine["results"][0]["document"] == {"text": docs[0]}
-    hidden = httpx.post(f"{server}/rerank", json={**body, "return_documents": False}).json()
+    hidden = httpx.post(
+        f"{server}/rerank", json={**body, "return_documents": False}, timeout=60
+    ).json()
     assert "document" not in hidden["results"][0]
     for bad in ({**body, "documents": []}, {**body, "query": ""}, {**body, "top_n": 0}):
-        assert httpx.post(f"{server}/v1/rerank", json=bad).status_code == 400
+        assert httpx.post(f"{server}/v1/rerank", json=bad, timeout=60).status_code == 400
 
 
 def test_chat_with_an_embedding_model_is_refused_and_chat_still_works(client) -> None:

@@ -42,13 +42,17 @@ def test_models_lists_the_encoder_alone(server: LiveServer) -> None:
 def test_embeddings_with_and_without_a_model_name(server: LiveServer) -> None:
     client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0)
     named = client.embeddings.create(model=DEFAULT_EMBEDDING_NAME, input=["a cat", "a dog"])
-    anonymous = httpx.post(f"{server.base}/v1/embeddings", json={"input": "a cat"}).json()
+    anonymous = httpx.post(
+        f"{server.base}/v1/embeddings", json={"input": "a cat"}, timeout=60
+    ).json()
     vectors = [np.array(d.embedding) for d in named.data]
     assert [len(v) for v in vectors] == [384, 384]
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
     assert np.allclose(vectors[0], anonymous["data"][0]["embedding"], atol=1e-5)
     rerank = httpx.post(
-        f"{server.base}/v1/rerank", json={"query": "a cat", "documents": ["a kitten", "a car"]}
+        f"{server.base}/v1/rerank",
+        json={"query": "a cat", "documents": ["a kitten", "a car"]},
+        timeout=60,
     ).json()
     assert rerank["method"] == "cosine" and rerank["results"][0]["index"] == 0
 
@@ -63,14 +67,14 @@ def test_embeddings_with_and_without_a_model_name(server: LiveServer) -> None:
     ],
 )
 def test_generation_routes_are_a_400(server: LiveServer, path: str, body: dict) -> None:
-    resp = httpx.post(f"{server.base}{path}", json=body)
+    resp = httpx.post(f"{server.base}{path}", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
     assert DEFAULT_EMBEDDING_NAME in resp.json()["error"]["message"]
 
 
 def test_score_needs_a_decoder(server: LiveServer) -> None:
     body = {"query": "a", "items": ["b"], "label_token_ids": [1, 2]}
-    resp = httpx.post(f"{server.base}/v1/score", json=body)
+    resp = httpx.post(f"{server.base}/v1/score", json=body, timeout=60)
     assert resp.status_code == 400 and "decoder" in resp.json()["error"]["message"]
 
 
@@ -86,9 +90,9 @@ def test_a_cross_encoder_alone_serves_rerank(tmp_path: Path) -> None:
     make_tiny_cross_encoder(model_dir, default_embedding_model_path() or "")
     with running_server(str(model_dir), ["--log-level", "warning"], tmp_path / "server.log") as srv:
         body = {"query": "q", "documents": ["one", "two", "three"], "top_n": 2}
-        resp = httpx.post(f"{srv.base}/v1/rerank", json=body).json()
+        resp = httpx.post(f"{srv.base}/v1/rerank", json=body, timeout=60).json()
         assert resp["method"] == "cross-encoder" and resp["model"] == "tiny-ce"
         scores = [r["relevance_score"] for r in resp["results"]]
         assert len(scores) == 2 and scores == sorted(scores, reverse=True)
-        chat = httpx.post(f"{srv.base}/v1/completions", json={"prompt": "hi"})
+        chat = httpx.post(f"{srv.base}/v1/completions", json={"prompt": "hi"}, timeout=60)
         assert chat.status_code == 400 and "cross-encoder" in chat.json()["error"]["message"]

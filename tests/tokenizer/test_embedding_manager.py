@@ -126,32 +126,35 @@ def test_abort_all_ends_a_call_still_being_tokenized() -> None:
 
         def slow_encode(*args: Any) -> Any:
             started.set()
-            release.wait(5)
+            release.wait()  # until the test lets it go (at the latest, in its finally)
             return encode(*args)
 
         manager._encode_inputs = slow_encode  # type: ignore[method-assign]
-        task = asyncio.create_task(manager.embed([[1, 2, 3], [4, 5]]))
-        assert await asyncio.to_thread(started.wait, 5)
-        assert manager.abort_all(499, "request_aborted", "the request was aborted") == 1
-        # a second abort_all (the shutdown drain's) finds it ended already: not counted again
-        assert manager.abort_all(503, "shutdown", "shutting down", reason="shutdown") == 0
-        assert aborts(manager) == {"abort_request": 1}
-        release.set()
-        (err,) = await results([task])
-        assert isinstance(err, RequestError) and (err.status_code, err.code) == (
-            499,
-            "request_aborted",
-        )
-        assert sent == [] and manager.pending == {}
-        task = asyncio.create_task(manager.embed([[1, 2, 3]]))
-        for _ in range(100):
-            if manager.pending:
-                break
-            await asyncio.sleep(0.01)
-        vec = np.array([1.0, 2.0], dtype="<f4").tobytes()
-        manager.on_output(output(sent_rids(sent), vec, FinishReason(type="stop")))
-        vectors, _ = await asyncio.wait_for(task, 5)
-        assert [v.tolist() for v in vectors] == [[1.0, 2.0]]
+        try:
+            task = asyncio.create_task(manager.embed([[1, 2, 3], [4, 5]]))
+            assert await asyncio.to_thread(started.wait, 60)
+            assert manager.abort_all(499, "request_aborted", "the request was aborted") == 1
+            # a second abort_all (the shutdown drain's) finds it ended already: not counted again
+            assert manager.abort_all(503, "shutdown", "shutting down", reason="shutdown") == 0
+            assert aborts(manager) == {"abort_request": 1}
+            release.set()
+            (err,) = await results([task])
+            assert isinstance(err, RequestError) and (err.status_code, err.code) == (
+                499,
+                "request_aborted",
+            )
+            assert sent == [] and manager.pending == {}
+            task = asyncio.create_task(manager.embed([[1, 2, 3]]))
+            for _ in range(6000):  # tokenized in the thread, then sent (60 s at most)
+                if manager.pending:
+                    break
+                await asyncio.sleep(0.01)
+            vec = np.array([1.0, 2.0], dtype="<f4").tobytes()
+            manager.on_output(output(sent_rids(sent), vec, FinishReason(type="stop")))
+            vectors, _ = await asyncio.wait_for(task, 60)
+            assert [v.tolist() for v in vectors] == [[1.0, 2.0]]
+        finally:
+            release.set()
 
     asyncio.run(go())
 
@@ -272,24 +275,27 @@ def test_a_call_cancelled_while_tokenized_counts_once_unless_abort_all_did() -> 
         encode = manager._encode_inputs
 
         def slow_encode(*args: Any) -> Any:
-            release.wait(5)
+            release.wait()  # until the test lets it go (at the latest, in its finally)
             return encode(*args)
 
         manager._encode_inputs = slow_encode  # type: ignore[method-assign]
-        task = asyncio.create_task(manager.embed([[1, 2, 3], [4, 5]]))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        await results([task])
-        assert aborts(manager) == {"client_disconnect": 1}
-        # abort_all counts a call being tokenized; its caller leaving afterwards adds nothing
-        task = asyncio.create_task(manager.embed([[1, 2, 3]]))
-        await asyncio.sleep(0.05)
-        assert manager.abort_all(499, "request_aborted", "aborted") == 1
-        task.cancel()
-        await results([task])
-        release.set()
-        assert aborts(manager) == {"client_disconnect": 1, "abort_request": 1}
-        assert sent == []
+        try:
+            task = asyncio.create_task(manager.embed([[1, 2, 3], [4, 5]]))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            await results([task])
+            assert aborts(manager) == {"client_disconnect": 1}
+            # abort_all counts a call being tokenized; its caller leaving afterwards adds nothing
+            task = asyncio.create_task(manager.embed([[1, 2, 3]]))
+            await asyncio.sleep(0.05)
+            assert manager.abort_all(499, "request_aborted", "aborted") == 1
+            task.cancel()
+            await results([task])
+            release.set()
+            assert aborts(manager) == {"client_disconnect": 1, "abort_request": 1}
+            assert sent == []
+        finally:
+            release.set()
 
     asyncio.run(go())
 

@@ -81,11 +81,8 @@ class Req:
         self.output_top_logprobs: list[TopLogprobs] = []
         self.input_token_logprobs: list[float | None] = []
         self.input_top_logprobs: list[TopLogprobs | None] = []
-        self.input_logprobs_sent = False
 
-        now = time.monotonic()
-        self.arrival_time = now
-        self.queue_time_start = now
+        self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
 
     @property
@@ -127,7 +124,6 @@ class Req:
         self.extend_len = 0
         self.is_chunked = False
         self.num_retractions += 1
-        self.queue_time_start = time.monotonic()
 
     def __repr__(self) -> str:
         return (

@@ -50,9 +50,6 @@ class DeadlineTracker:
             if limit > 0:
                 heapq.heappush(self._heap, _Entry(now + limit, next(self._seq), kind, limit, req))
 
-    def next_deadline(self) -> float | None:
-        return self._heap[0].deadline if self._heap else None
-
     def expired(self, now: float, live: dict[str, Req]) -> list[tuple[Req, FinishReason]]:
         """The live requests whose deadline passed, each with its timeout finish reason."""
         due: list[tuple[Req, FinishReason]] = []

@@ -53,26 +53,6 @@ def get_str(name: str) -> str | None:
     return _raw(name)
 
 
-def get_int(name: str) -> int | None:
-    value = _raw(name)
-    if value is None or value.strip() == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer") from None
-
-
-def get_float(name: str) -> float | None:
-    value = _raw(name)
-    if value is None or value.strip() == "":
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number") from None
-
-
 def get_bool(name: str) -> bool:
     value = (_raw(name) or "").strip().lower()
     if value in _TRUE:

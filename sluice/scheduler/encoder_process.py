@@ -1,26 +1,18 @@
-"""The scheduler process of an encoder model: an EncoderScheduler driven by messages over ZMQ.
-
-Same loop guarantee as the decoder's `SchedulerLoop`: while there is work, messages are taken
-without blocking between steps; while idle, the loop blocks on the socket. Each step's
-BatchEmbeddingOutput goes to `addrs.detokenizer_in`, which is the detokenizer (it passes it on
-unchanged) or, for an extra model of a server, the EmbeddingManager's own socket directly.
-A SchedulerHeartbeat goes out at least every heartbeat interval, busy or idle, as from the
-decoder's scheduler: the readiness check judges every model's loop the same way.
+"""The scheduler process of an encoder model: an EncoderScheduler driven by `ModelLoop` (loop.py,
+the same loop and guarantees as the decoder's). Each step's BatchEmbeddingOutput goes to
+`addrs.detokenizer_in`, which is the detokenizer (it passes it on unchanged) or, for an extra
+model of a server, the EmbeddingManager's own socket directly. A generation request is answered
+at once with a 400: an encoder cannot generate.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-import zmq
 
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
     BatchEmbeddingOutput,
-    BatchTokenizedEmbeddingReqInput,
-    BatchTokenizedGenerateReqInput,
     FinishReason,
     FlushCacheReply,
     FlushCacheReq,
@@ -28,20 +20,21 @@ from sluice.messages import (
     InternalStateReply,
     SchedulerHeartbeat,
     SetPausedReq,
-    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from sluice.scheduler.loop import ModelLoop, Request
 from sluice.utils import ipc
 
-logger = logging.getLogger(__name__)
-
-IDLE_POLL_MS = 200
 PROCESS_TITLE = "sluice::encoder"
 
 
 def run_encoder_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any) -> None:
     """Entry point of the spawned process: build, report ready (or the error), then loop."""
-    ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, lambda: EncoderLoop(args, addrs))
+
+    def build() -> ModelLoop:
+        return ModelLoop.bind(EncoderCore.load(args), addrs, args.health_timeout)
+
+    ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, build)
 
 
 def encoder_context_len(args: ServerArgs, max_seq_len: int, max_positions: int) -> int:
@@ -52,8 +45,15 @@ def encoder_context_len(args: ServerArgs, max_seq_len: int, max_positions: int) 
     return args.context_length or max_seq_len
 
 
-class EncoderLoop:
-    def __init__(self, args: ServerArgs, addrs: ipc.IpcAddrs) -> None:
+class EncoderCore:
+    """The EncoderScheduler as a ModelCore: what each message does to it."""
+
+    def __init__(self, scheduler: Any, info: dict[str, int | float | str]) -> None:
+        self.scheduler = scheduler
+        self._info = info
+
+    @classmethod
+    def load(cls, args: ServerArgs) -> EncoderCore:
         import torch
 
         from sluice.model.encoder_config import load_encoder_config
@@ -71,11 +71,11 @@ class EncoderLoop:
         context_len = encoder_context_len(args, cfg.max_seq_len, cfg.max_position_embeddings)
         runner = EncoderRunner(cfg, device, dtype)
         max_batch_reqs = args.max_running_requests or 256
-        self.scheduler = EncoderScheduler(
+        scheduler = EncoderScheduler(
             runner, cfg.vocab_size, context_len, args.max_prefill_tokens, max_batch_reqs,
             waiting_timeout=args.waiting_timeout, running_timeout=args.running_timeout,
         )  # fmt: skip
-        self._info: dict[str, int | float | str] = {
+        info: dict[str, int | float | str] = {
             "model_name": cfg.model_name, "hf_dir": cfg.hf_dir, "context_len": context_len,
             "max_total_tokens": 0, "max_running_requests": max_batch_reqs,
             "num_threads": num_threads, "device": str(device),
@@ -83,63 +83,55 @@ class EncoderLoop:
             "task": "rerank" if cfg.is_cross_encoder else "embed",
             "dimensions": runner.output_dim,
         }  # fmt: skip
-        self.ctx = zmq.Context()
-        self.recv_sock = ipc.pull_socket(self.ctx, addrs.scheduler_in)
-        self.send_sock = ipc.push_socket(self.ctx, addrs.detokenizer_in)
-        self.heartbeat = ipc.HeartbeatTimer(args.health_timeout)
+        return cls(scheduler, info)
 
     def info(self) -> dict[str, int | float | str]:
         return self._info
 
-    def run_forever(self) -> None:
-        while True:
-            self.run_once()
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
 
-    def run_once(self) -> None:
-        busy = self.scheduler.has_work() and not self.scheduler.paused
-        timeout = 0 if busy else IDLE_POLL_MS
-        for frames in ipc.recv_all(self.recv_sock, timeout):
-            self._handle(frames)
-        if self.scheduler.has_work():
-            out = self.scheduler.step()
-            if out is not None:
-                ipc.send(self.send_sock, out)
-        if self.heartbeat.due():
-            ipc.send(self.send_sock, SchedulerHeartbeat(0, len(self.scheduler.waiting)))
+    def is_paused(self) -> bool:
+        return self.scheduler.paused
 
-    def _handle(self, frames: list[bytes]) -> None:
-        try:
-            msg = ipc.decode(frames)
-        except ValueError as e:
-            logger.error("dropped a message: %s", e)
-            return
-        if isinstance(msg, TokenizedEmbeddingReqInput):
-            self.scheduler.add_request(msg)
-        elif isinstance(msg, BatchTokenizedEmbeddingReqInput):
-            for req in msg.reqs:
-                self.scheduler.add_request(req)
-        elif isinstance(msg, AbortReq):
-            self.scheduler.abort(msg)
-        elif isinstance(msg, SetPausedReq):
-            self.scheduler.set_paused(msg.paused)
-        elif isinstance(msg, GetInternalStateReq):
-            ipc.send(self.send_sock, InternalStateReply(self.scheduler.internal_state()))
-        elif isinstance(msg, FlushCacheReq):
-            ipc.send(self.send_sock, FlushCacheReply(self.scheduler.flush_cache()))
-        elif isinstance(msg, TokenizedGenerateReqInput | BatchTokenizedGenerateReqInput):
-            reqs = msg.reqs if isinstance(msg, BatchTokenizedGenerateReqInput) else [msg]
-            ipc.send(self.send_sock, _cannot_generate(reqs))
-        else:
-            logger.error("dropped a message of unexpected type %s", type(msg).__name__)
+    def step(self) -> list[Any]:
+        out = self.scheduler.step()
+        return [] if out is None else [out]
+
+    def take_request(self, req: Request) -> BatchEmbeddingOutput | None:
+        if isinstance(req, TokenizedGenerateReqInput):
+            return _cannot_generate(req)
+        self.scheduler.add_request(req)
+        return None
+
+    def handle_control(self, msg: Any) -> Any | None:
+        s = self.scheduler
+        match msg:
+            case AbortReq():
+                s.abort(msg)
+            case SetPausedReq():
+                s.set_paused(msg.paused)
+            case GetInternalStateReq():
+                return InternalStateReply(s.internal_state())
+            case FlushCacheReq():
+                return FlushCacheReply(s.flush_cache())
+            case _:
+                raise TypeError(type(msg).__name__)
+        return None
+
+    def heartbeat(self) -> SchedulerHeartbeat:
+        return SchedulerHeartbeat(0, len(self.scheduler.waiting))
+
+    def tick(self) -> None:
+        pass
 
 
-def _cannot_generate(reqs: list[TokenizedGenerateReqInput]) -> BatchEmbeddingOutput:
+def _cannot_generate(req: TokenizedGenerateReqInput) -> BatchEmbeddingOutput:
     reason = FinishReason(
         type="abort", message="this model is an encoder: it embeds or scores, it cannot generate",
         status_code=400, code="invalid_request",
     )  # fmt: skip
     return BatchEmbeddingOutput(
-        rids=[r.rid for r in reqs], embeddings=[b""] * len(reqs),
-        prompt_tokens=[len(r.input_ids) for r in reqs], finished_reasons=[reason] * len(reqs),
-        reply_to=[r.reply_to for r in reqs],
+        rids=[req.rid], embeddings=[b""], prompt_tokens=[len(req.input_ids)],
+        finished_reasons=[reason], reply_to=[req.reply_to],
     )  # fmt: skip

@@ -536,7 +536,12 @@ class EncoderManager(EmbeddingManager):
         fut = asyncio.get_running_loop().create_future()
         self._state_waiters.append(fut)
         self._send(GetInternalStateReq())
-        reply = await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+        try:
+            reply = await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+        except TimeoutError:  # 503, as the TokenizerManager's control calls
+            raise _unavailable(
+                f"the scheduler did not answer in {CONTROL_TIMEOUT_S:.0f} s"
+            ) from None
         return {**msgspec.structs.asdict(reply.state), "num_req_states": len(self.pending)}
 
 

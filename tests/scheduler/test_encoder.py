@@ -168,3 +168,45 @@ def test_paused_runs_no_batch_but_ends_aborts_and_continues() -> None:
     s.set_paused(False)
     out = s.step()
     assert out.rids == ["b"] and enc.batches == [1] and not s.internal_state().paused
+
+
+def test_the_encoder_process_loop_answers_every_request_it_cannot_take(monkeypatch) -> None:
+    """The same loop as the decoder's: an undecodable request is a 400, a failing intake a
+    500, a generation request a 400; none of them stops the loop."""
+    import msgspec
+
+    from sluice.messages import BatchTokenizedEmbeddingReqInput, SamplingParams
+    from sluice.messages import TokenizedGenerateReqInput as Gen
+    from sluice.scheduler.encoder_process import EncoderCore
+    from sluice.scheduler.loop import ModelLoop
+    from sluice.utils import ipc
+
+    s = _scheduler(FakeEncoder())
+    real_add = s.add_request
+
+    def add(msg: TokenizedEmbeddingReqInput) -> None:
+        if msg.rid == "boom":
+            raise RuntimeError("intake failed")
+        real_add(msg)
+
+    s.add_request = add  # type: ignore[method-assign]
+    heartbeat = ipc.HeartbeatTimer(1e9)
+    heartbeat.last = 1e18
+    loop = ModelLoop(EncoderCore(s, {}), None, None, heartbeat)
+    no_ids = msgspec.msgpack.encode({"rid": "bad", "reply_to": "w"})
+    inbox = [
+        ipc.encode(BatchTokenizedEmbeddingReqInput([_req("ok", 3), _req("boom", 3)])),
+        [b"TokenizedEmbeddingReqInput", no_ids],
+        ipc.encode(Gen("gen", [1, 2], SamplingParams(), reply_to="r")),
+        [b"NoSuchMessage", b"\x80"],
+    ]
+    sent: list = []
+    monkeypatch.setattr(ipc, "recv_all", lambda sock, timeout: [inbox.pop(0)] if inbox else [])
+    monkeypatch.setattr(ipc, "send", lambda sock, msg: sent.append(msg))
+    for _ in range(6):
+        loop.run_once()
+    reasons = {rid: f for m in sent for rid, f in zip(m.rids, m.finished_reasons, strict=True)}
+    assert reasons["ok"].type == "length"
+    assert (reasons["boom"].status_code, reasons["bad"].status_code) == (500, 400)
+    assert reasons["gen"].status_code == 400 and "cannot generate" in reasons["gen"].message
+    assert set(reasons) == {"ok", "boom", "bad", "gen"} and s.is_idle()

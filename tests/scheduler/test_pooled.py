@@ -318,12 +318,12 @@ def test_running_timeout_ends_a_pooled_request_with_503(
 def test_process_loop_answers_pooled_messages(
     tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sluice.scheduler.process import SchedulerLoop
+    from sluice.scheduler.loop import ModelLoop
+    from sluice.scheduler.process import DecoderCore
 
-    loop = SchedulerLoop.__new__(SchedulerLoop)  # the loop's logic, without sockets
-    loop.scheduler, loop.recv_sock, loop.send_sock = tiny_engine.scheduler, None, None
-    loop.heartbeat = ipc.HeartbeatTimer(1e9)
-    loop.heartbeat.last = 1e18  # no beat during the test
+    heartbeat = ipc.HeartbeatTimer(1e9)
+    heartbeat.last = 1e18  # no beat during the test
+    loop = ModelLoop(DecoderCore(tiny_engine.scheduler, {}), None, None, heartbeat)  # no sockets
     batch = BatchTokenizedEmbeddingReqInput([req("m0", [5, 6, 7]), req("m1", [5, 6], [9])])
     inbox = [ipc.encode(batch), ipc.encode(req("m2", [])), [b"TokenizedEmbeddingReqInput", b"\x81"]]
     no_ids = msgspec.msgpack.encode({"reqs": [{"rid": "m3", "reply_to": "w"}]})  # no input_ids

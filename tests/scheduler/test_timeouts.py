@@ -50,7 +50,7 @@ def test_finished_requests_never_fire_and_the_heap_stays_bounded() -> None:
 def test_an_undecodable_request_still_names_its_rid_for_the_400() -> None:
     import msgspec
 
-    from sluice.scheduler.process import _rids_of
+    from sluice.scheduler.loop import _rids_of
 
     bad = {"rid": "r1", "input_ids": "not ids", "reply_to": "ipc://x"}
     frames = [b"TokenizedGenerateReqInput", msgspec.msgpack.encode(bad)]

@@ -1,0 +1,191 @@
+"""The loop of every model process, the decoder's scheduler and each encoder's alike.
+
+Loop guarantee: while the model has work, pending messages are taken without blocking between
+steps, so a new request or an abort waits at most one step; while idle or paused
+(/pause_generation: steps end aborted and expired requests, no forward runs), the loop blocks on
+the socket IDLE_POLL_MS at a time. Every step's outputs go to `addrs.detokenizer_in`, in order.
+A SchedulerHeartbeat goes out at least every heartbeat interval, busy or idle, so the HTTP
+process can tell a stuck loop.
+
+A message that cannot be taken in ends only the requests it carries, each answered in the
+output type its kind expects: 400 when it cannot be decoded (if its rids can be read at all),
+500 when intake raised. A control message that raises is logged and dropped. Only an error
+inside `step()` ends the process, and the launcher's watchdog notices.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from sluice.messages import (
+    BatchEmbeddingOutput,
+    BatchTokenIDOutput,
+    BatchTokenizedEmbeddingReqInput,
+    BatchTokenizedGenerateReqInput,
+    FinishReason,
+    SamplingParams,
+    SchedulerHeartbeat,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
+from sluice.utils import ipc
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 200
+
+Request = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
+GENERATE_REQ_TYPES = (b"TokenizedGenerateReqInput", b"BatchTokenizedGenerateReqInput")
+EMBEDDING_REQ_TYPES = (b"TokenizedEmbeddingReqInput", b"BatchTokenizedEmbeddingReqInput")
+
+
+class ModelCore(Protocol):
+    """One model's scheduler as the loop drives it."""
+
+    def info(self) -> dict[str, int | float | str]: ...
+    def has_work(self) -> bool: ...
+    def is_paused(self) -> bool: ...
+    def step(self) -> list[Any]:
+        """Run one step; its outputs, to send in order."""
+        ...
+
+    def take_request(self, req: Request) -> Any | None:
+        """Take one request in; an output to send at once, or None."""
+        ...
+
+    def handle_control(self, msg: Any) -> Any | None:
+        """Any other message; a reply to send, or None. Raises TypeError for a type it does not
+        take."""
+        ...
+
+    def heartbeat(self) -> SchedulerHeartbeat: ...
+    def tick(self) -> None:
+        """Housekeeping once per loop iteration, busy or idle (cheap)."""
+        ...
+
+
+class ModelLoop:
+    """`recv_sock` takes the model's messages; `send_sock` carries its outputs and replies."""
+
+    def __init__(
+        self, core: ModelCore, recv_sock: Any, send_sock: Any, heartbeat: ipc.HeartbeatTimer
+    ) -> None:
+        self.core, self.heartbeat = core, heartbeat
+        self.recv_sock, self.send_sock = recv_sock, send_sock
+
+    @classmethod
+    def bind(cls, core: ModelCore, addrs: ipc.IpcAddrs, health_timeout: float) -> ModelLoop:
+        """The loop on the process's own sockets (`addrs.scheduler_in` in, detokenizer_in out)."""
+        ctx = zmq.Context()
+        recv_sock = ipc.pull_socket(ctx, addrs.scheduler_in)
+        send_sock = ipc.push_socket(ctx, addrs.detokenizer_in)
+        return cls(core, recv_sock, send_sock, ipc.HeartbeatTimer(health_timeout))
+
+    def info(self) -> dict[str, int | float | str]:
+        return self.core.info()
+
+    def run_forever(self) -> None:
+        while True:
+            self.run_once()
+
+    def run_once(self) -> None:
+        core = self.core
+        busy = core.has_work() and not core.is_paused()
+        for frames in ipc.recv_all(self.recv_sock, 0 if busy else IDLE_POLL_MS):
+            self._take(frames)
+        if core.has_work():
+            for out in core.step():
+                ipc.send(self.send_sock, out)
+        core.tick()
+        if self.heartbeat.due():
+            ipc.send(self.send_sock, core.heartbeat())
+
+    def _take(self, frames: list[bytes]) -> None:
+        try:
+            msg = ipc.decode(frames)
+        except ValueError as e:
+            logger.error("dropped a message: %s", e)
+            for out in _undecodable_outputs(frames, f"malformed request: {e}"):
+                ipc.send(self.send_sock, out)
+            return
+        if isinstance(msg, BatchTokenizedGenerateReqInput | BatchTokenizedEmbeddingReqInput):
+            for req in msg.reqs:
+                self._take_request(req)
+        elif isinstance(msg, TokenizedGenerateReqInput | TokenizedEmbeddingReqInput):
+            self._take_request(msg)
+        else:
+            self._take_control(msg)
+
+    def _take_request(self, req: Request) -> None:
+        try:
+            out = self.core.take_request(req)
+        except Exception as e:  # only this request fails; the scheduler state is untouched
+            logger.exception("request %s could not be taken in", req.rid)
+            out = abort_output(req, f"the scheduler rejected it: {e}", 500)
+        if out is not None:
+            ipc.send(self.send_sock, out)
+
+    def _take_control(self, msg: Any) -> None:
+        try:
+            reply = self.core.handle_control(msg)
+        except TypeError:
+            logger.error("dropped a message of unexpected type %s", type(msg).__name__)
+            return
+        except Exception:
+            logger.exception("a %s failed; dropped it", type(msg).__name__)
+            return
+        if reply is not None:
+            ipc.send(self.send_sock, reply)
+
+
+def abort_output(req: Request, message: str, status_code: int) -> Any:
+    """The output that ends `req` at once with an abort, in the type its kind expects."""
+    code = "invalid_request" if status_code == 400 else "internal_error"
+    reason = FinishReason(type="abort", message=message, status_code=status_code, code=code)
+    if isinstance(req, TokenizedEmbeddingReqInput):
+        return BatchEmbeddingOutput(
+            rids=[req.rid], embeddings=[b""], prompt_tokens=[len(req.input_ids)],
+            finished_reasons=[reason], reply_to=[req.reply_to], cached_tokens=[0],
+        )  # fmt: skip
+    return BatchTokenIDOutput(
+        rids=[req.rid], new_token_ids=[[]], finished_reasons=[reason],
+        prompt_tokens=[len(req.input_ids)], completion_tokens=[0], cached_tokens=[0],
+        skip_special_tokens=[True], spaces_between_special_tokens=[True], stop_strings=[[]],
+        no_stop_trim=[False], output_token_logprobs=[[]], output_top_logprobs=[[]],
+        input_token_logprobs=[[]], input_top_logprobs=[[]], reply_to=[req.reply_to],
+    )  # fmt: skip
+
+
+def _undecodable_outputs(frames: list[bytes], message: str) -> list[Any]:
+    """A request that fails to decode still has a waiting client: a 400 for each request inside
+    it whose rid and reply address can be read at all."""
+    pooled = bool(frames) and bytes(frames[0]) in EMBEDDING_REQ_TYPES
+    outs = []
+    for rid, reply_to in _rids_of(frames):
+        req: Request
+        if pooled:
+            req = TokenizedEmbeddingReqInput(rid=rid, input_ids=[], reply_to=reply_to)
+        else:
+            req = TokenizedGenerateReqInput(rid, [], SamplingParams(), reply_to=reply_to)
+        outs.append(abort_output(req, message, 400))
+    return outs
+
+
+def _rids_of(frames: list[bytes]) -> list[tuple[str, str]]:
+    """(rid, reply_to) of each request inside an undecodable request message, best effort."""
+    if len(frames) != 2 or bytes(frames[0]) not in GENERATE_REQ_TYPES + EMBEDDING_REQ_TYPES:
+        return []
+    try:
+        raw = msgspec.msgpack.decode(frames[1])
+    except msgspec.DecodeError:
+        return []
+    items = raw.get("reqs", []) if isinstance(raw, dict) and "reqs" in raw else [raw]
+    return [
+        (it["rid"], str(it.get("reply_to", "")))
+        for it in items
+        if isinstance(it, dict) and isinstance(it.get("rid"), str)
+    ]

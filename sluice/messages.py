@@ -47,7 +47,6 @@ class TokenizedGenerateReqInput(msgspec.Struct, omit_defaults=True):
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    input_text: str | None = None
     return_logprob: bool = False
     # first prompt position whose logprob is returned; -1: none of the prompt
     logprob_start_len: int = -1
@@ -58,7 +57,6 @@ class TokenizedGenerateReqInput(msgspec.Struct, omit_defaults=True):
     timeout: float = 0.0
     # address of the TokenizerManager that owns this request (multi-worker routing)
     reply_to: str = ""
-    created_time: float = 0.0
 
 
 class BatchTokenizedGenerateReqInput(msgspec.Struct):
@@ -153,7 +151,8 @@ class OpenSessionReq(msgspec.Struct, omit_defaults=True):
     """Open a session (the TokenizerManager picks `session_id` when the client gave none).
 
     `timeout`: seconds idle (no turn running) before the scheduler closes it; 0: never.
-    `capacity_of_str_len` is kept for SGLang compatibility and not enforced.
+    `capacity_of_str_len`: the most tokens a turn's prompt (its context plus the new text) may
+    hold, a longer turn is refused with 400; 0: no limit.
     """
 
     session_id: str
@@ -241,7 +240,6 @@ class TokenizedEmbeddingReqInput(msgspec.Struct, omit_defaults=True):
     token_type_ids: list[int] | None = None
     label_token_ids: list[int] | None = None
     reply_to: str = ""
-    created_time: float = 0.0
 
 
 class BatchTokenizedEmbeddingReqInput(msgspec.Struct):

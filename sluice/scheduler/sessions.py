@@ -50,7 +50,7 @@ class Turn:
 class Session:
     id: str
     timeout: float  # seconds idle before expiry; 0: never
-    capacity_of_str_len: int
+    capacity_of_str_len: int  # the most tokens a turn's prompt may hold; 0: no limit
     last_active: float
     turns: dict[str, Turn] = field(default_factory=dict)
     last_rid: str | None = None  # the default base: the last finished turn
@@ -133,7 +133,14 @@ class SessionManager:
             context = context[: params.offset]
         if context and self.bos_token_id is not None and new_ids[:1] == [self.bos_token_id]:
             new_ids = new_ids[1:]
-        return TurnPlan(session, base, context + new_ids, params.replace)
+        input_ids = context + new_ids
+        capacity = session.capacity_of_str_len
+        if 0 < capacity < len(input_ids):
+            raise SessionError(
+                f"this turn's prompt in session {params.id!r} would be {len(input_ids)} tokens, "
+                f"over the session's capacity_of_str_len of {capacity} tokens"
+            )
+        return TurnPlan(session, base, input_ids, params.replace)
 
     def _base(self, session: Session, params: SessionParams) -> Turn | None:
         if params.rid is None:

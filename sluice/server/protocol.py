@@ -270,7 +270,7 @@ class PauseGenerationRequest(_Lenient):
 class OpenSessionRequest(_Lenient):
     session_id: str | None = None
     timeout: float | None = Field(default=None, ge=0)  # idle seconds before it closes
-    capacity_of_str_len: Count | None = None  # accepted, not enforced
+    capacity_of_str_len: Count | None = None  # tokens a turn's prompt may hold (0: no limit)
 
 
 class CloseSessionRequest(_Lenient):

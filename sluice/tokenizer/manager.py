@@ -247,7 +247,6 @@ class TokenizerManager:
                     return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=obj.stream,
                     session_params=session, timeout=obj.timeout, reply_to=self._reply_to,
-                    created_time=time.time(),
                 )
             )  # fmt: skip
         return reqs

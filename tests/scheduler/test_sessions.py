@@ -246,6 +246,19 @@ def test_invalid_session_params_are_400(drv: SessionDriver) -> None:
     drv.close("errs")
 
 
+def test_capacity_of_str_len_bounds_each_turns_prompt(drv: SessionDriver) -> None:
+    """A turn whose full prompt (context plus new ids) is over the capacity is refused, and the
+    session goes on from its last good turn."""
+    assert drv.sched.open_session(OpenSessionReq("cap", 0.0, 20)).success
+    first = drv.run_turn("c1", _ids(8), _session("cap"))  # 8 + 6 output tokens: 14
+    assert first.finish.type == "length"
+    drv.run_turn("c2", _ids(7), _session("cap"))  # 14 + 7 = 21 > 20
+    _assert_error(drv.results["c2"], "invalid_session", "21 tokens, over the session's")
+    ok = drv.run_turn("c3", _ids(6), _session("cap"))  # 14 + 6 = 20: fits
+    assert ok.finish.type == "length" and len(drv.built["c3"]) == 20
+    drv.close("cap")
+
+
 # ---- eviction priority --------------------------------------------------------------------
 
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import zmq
 
+from sluice.aborts import internal_error
 from sluice.messages import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
-    FinishReason,
     InternalStateReply,
     ReadyMsg,
 )
@@ -89,7 +89,7 @@ class DetokenizerLoop:
 
 
 def _failed_batch(out: BatchTokenIDOutput, message: str) -> BatchStrOutput:
-    reason = FinishReason(type="abort", message=message, status_code=500, code="internal_error")
+    reason = internal_error(message)
     n = len(out.rids)
     return BatchStrOutput(
         rids=out.rids, texts=[""] * n, new_token_ids=out.new_token_ids,

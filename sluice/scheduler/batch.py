@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from sluice.aborts import internal_error
 from sluice.messages import FinishReason, TopLogprobs
 from sluice.model.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from sluice.model.sampler import SamplingBatchInfo, TopK, sample, token_logprobs
@@ -23,10 +24,7 @@ if TYPE_CHECKING:
     from sluice.scheduler.scheduler import Scheduler
 
 
-NON_FINITE = FinishReason(
-    type="abort", message="the model produced non-finite logits for this request",
-    status_code=500, code="internal_error",
-)  # fmt: skip
+NON_FINITE = internal_error("the model produced non-finite logits for this request")
 
 
 def run_prefill(sched: Scheduler, reqs: list[Req]) -> None:

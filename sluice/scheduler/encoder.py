@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from sluice.aborts import aborted, internal_error, invalid
 from sluice.messages import (
     AbortReq,
     BatchEmbeddingOutput,
@@ -70,7 +71,7 @@ class EncoderScheduler:
     def add_request(self, msg: TokenizedEmbeddingReqInput) -> None:
         error = self._validate(msg)
         if error is not None:
-            self._finish(msg, b"", _abort(error, 400, "invalid_request"))
+            self._finish(msg, b"", invalid(error))
             return
         self.waiting.append(msg)
         self.waiting_rids.add(msg.rid)
@@ -105,7 +106,7 @@ class EncoderScheduler:
     def _process_aborts(self) -> None:
         if not (self.abort_all or self.to_abort):
             return
-        reason = _abort("the request was aborted", 499, "request_aborted")
+        reason = aborted()
         keep: deque[TokenizedEmbeddingReqInput] = deque()
         keep_arrivals: deque[float] = deque()
         for req, arrival in zip(self.waiting, self.arrivals, strict=True):
@@ -173,7 +174,7 @@ class EncoderScheduler:
             )  # [B, dim]
         except Exception as exc:
             logger.exception("forward failed; aborting the %d requests of the batch", len(batch))
-            reason = _abort(f"internal error: {type(exc).__name__}: {exc}", 500, "internal_error")
+            reason = internal_error(f"internal error: {type(exc).__name__}: {exc}")
             for req in batch:
                 self._finish(req, b"", reason)
             return
@@ -220,7 +221,3 @@ def _queue_timeout(waiting: float, running: float) -> tuple[str, float] | None:
         return None
     limit, kind = min(set_)
     return kind, limit
-
-
-def _abort(message: str, status_code: int, code: str) -> FinishReason:
-    return FinishReason(type="abort", message=message, status_code=status_code, code=code)

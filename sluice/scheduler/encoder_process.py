@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.aborts import invalid
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
     BatchEmbeddingOutput,
-    FinishReason,
     FlushCacheReply,
     FlushCacheReq,
     GetInternalStateReq,
@@ -127,10 +127,7 @@ class EncoderCore:
 
 
 def _cannot_generate(req: TokenizedGenerateReqInput) -> BatchEmbeddingOutput:
-    reason = FinishReason(
-        type="abort", message="this model is an encoder: it embeds or scores, it cannot generate",
-        status_code=400, code="invalid_request",
-    )  # fmt: skip
+    reason = invalid("this model is an encoder: it embeds or scores, it cannot generate")
     return BatchEmbeddingOutput(
         rids=[req.rid], embeddings=[b""], prompt_tokens=[len(req.input_ids)],
         finished_reasons=[reason], reply_to=[req.reply_to],

@@ -21,12 +21,12 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from sluice.aborts import internal_error, invalid
 from sluice.messages import (
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
-    FinishReason,
     SamplingParams,
     SchedulerHeartbeat,
     TokenizedEmbeddingReqInput,
@@ -144,8 +144,7 @@ class ModelLoop:
 
 def abort_output(req: Request, message: str, status_code: int) -> Any:
     """The output that ends `req` at once with an abort, in the type its kind expects."""
-    code = "invalid_request" if status_code == 400 else "internal_error"
-    reason = FinishReason(type="abort", message=message, status_code=status_code, code=code)
+    reason = invalid(message) if status_code == 400 else internal_error(message)
     if isinstance(req, TokenizedEmbeddingReqInput):
         return BatchEmbeddingOutput(
             rids=[req.rid], embeddings=[b""], prompt_tokens=[len(req.input_ids)],

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sluice.aborts import abort, aborted, internal_error, invalid, shutdown
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
@@ -101,10 +102,9 @@ class Scheduler:
         if error is not None:
             return self._reject(req, error, "invalid_request")
         if plan is not None:
-            replaced = FinishReason(
-                type="abort", message="a later turn of the session replaced this request",
-                status_code=409, code="session_replaced",
-            )  # fmt: skip
+            replaced = abort(
+                409, "session_replaced", "a later turn of the session replaced this request"
+            )
             for victim in self.sessions.start(plan, req, req.arrival_time):
                 self._mark_abort(victim, replaced)
         self._enqueue(req)
@@ -131,9 +131,7 @@ class Scheduler:
         self.deadlines.add(req, req.arrival_time)
 
     def _reject(self, req: Req, message: str, code: str) -> None:
-        req.finished_reason = FinishReason(
-            type="abort", message=message, status_code=400, code=code
-        )
+        req.finished_reason = invalid(message, code)
         self.touched.append(req)
 
     def _build_req(self, msg: TokenizedGenerateReqInput, input_ids: list[int]) -> Req:
@@ -282,10 +280,7 @@ class Scheduler:
             run(self, reqs)
         except Exception as exc:
             logger.exception("forward failed; aborting the %d requests of the batch", len(reqs))
-            reason = FinishReason(
-                type="abort", message=f"internal error: {type(exc).__name__}: {exc}",
-                status_code=500, code="internal_error",
-            )  # fmt: skip
+            reason = internal_error(f"internal error: {type(exc).__name__}: {exc}")
             for req in reqs:
                 if not req.is_finished:
                     self.touched.append(req)
@@ -443,11 +438,4 @@ class Scheduler:
 
 
 def _abort_reason(cause: str) -> FinishReason:
-    if cause == "shutdown":
-        return FinishReason(
-            type="abort", message="the server is shutting down and the request did not finish "
-            "within the shutdown timeout", status_code=503, code="shutdown",
-        )  # fmt: skip
-    return FinishReason(
-        type="abort", message="the request was aborted", status_code=499, code="request_aborted"
-    )
+    return shutdown() if cause == "shutdown" else aborted()

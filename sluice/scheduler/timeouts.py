@@ -17,6 +17,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+from sluice.aborts import abort
 from sluice.messages import FinishReason
 from sluice.scheduler.req import Req
 
@@ -87,7 +88,4 @@ def timeout_reason(kind: str, limit: float) -> FinishReason:
         what = f"did not finish within the running timeout of {limit:g} s"
     else:
         what = f"did not finish within its timeout of {limit:g} s"
-    return FinishReason(
-        type="abort", message=f"{kind} timeout: the request {what}", status_code=503,
-        code="timeout", matched=f"{kind}_timeout",
-    )  # fmt: skip
+    return abort(503, "timeout", f"{kind} timeout: the request {what}", matched=f"{kind}_timeout")

@@ -20,12 +20,11 @@ import signal
 import time
 from typing import Any
 
+from sluice.aborts import SHUTDOWN_MESSAGE
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
-SHUTDOWN_MESSAGE = (
-    "the server is shutting down and the request did not finish within the shutdown timeout"
-)
 
 
 class GracefulShutdown:

@@ -38,6 +38,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from sluice.aborts import SHUTDOWN_MESSAGE, aborted, shutdown, unavailable
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
@@ -147,9 +148,7 @@ class TokenizerManager:
     def on_child_death(self, message: str) -> None:
         """A child process is gone: fail every live request and control call with 503."""
         self.is_healthy = False
-        reason = FinishReason(
-            type="abort", message=message, status_code=503, code="service_unavailable"
-        )
+        reason = unavailable(message)
         for state in self.rid_to_state.values():
             state.finish(reason)
             state.notify()
@@ -353,10 +352,7 @@ class TokenizerManager:
         if not abort_all and not rid:
             raise RequestError("give a rid or abort_all", param="rid")
         states = [s for s in self.rid_to_state.values() if abort_all or rid in (s.rid, s.group_rid)]
-        reason = FinishReason(
-            type="abort", message="the request was aborted", status_code=499,
-            code="request_aborted",
-        )  # fmt: skip
+        reason = aborted()
         for state in states:
             self.counters.count_abort("abort_request")
             self._finish_here(state, reason, "client")
@@ -373,15 +369,12 @@ class TokenizerManager:
     def abort_all_for_shutdown(self) -> int:
         """End every live rid, generation and pooled, with a 503 "shutdown" abort (the drain
         ran out of time)."""
-        message = (
-            "the server is shutting down and the request did not finish within the shutdown timeout"
-        )
-        reason = FinishReason(type="abort", message=message, status_code=503, code="shutdown")
+        reason = shutdown()
         states = list(self.rid_to_state.values())
         for state in states:
             self.counters.count_abort("shutdown")
             self._finish_here(state, reason, "shutdown")
-        pooled = self.embedding_manager.abort_all(503, "shutdown", message, reason="shutdown")
+        pooled = self.embedding_manager.abort_all(503, "shutdown", SHUTDOWN_MESSAGE, "shutdown")
         return len(states) + pooled
 
     def _finish_here(self, state: ReqState, reason: FinishReason, cause: str) -> None:

@@ -28,8 +28,9 @@ def server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     tmp = tmp_path_factory.mktemp("rerank")
     rerank_dir = tmp / RERANK
     make_tiny_cross_encoder(rerank_dir, default_embedding_model_path() or "")
+    # float32: vectors and scores are compared with sentence-transformers' and across batches
     args = ["--rerank-model-path", str(rerank_dir), "--max-total-tokens", "4096",
-            "--log-level", "warning"]  # fmt: skip
+            "--log-level", "warning", "--dtype", "float32"]  # fmt: skip
     with running_server(tiny_llama_dir, args, tmp / "server.log", num_threads=None) as srv:
         yield srv.base
 

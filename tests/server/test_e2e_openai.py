@@ -50,7 +50,7 @@ def test_greedy_chat_equals_engine(client, model) -> None:
     resp = client.chat.completions.create(
         model=model, messages=MESSAGES, temperature=0, max_tokens=24
     )
-    with Engine(max_total_tokens=MAX_TOTAL_TOKENS) as engine:
+    with Engine(max_total_tokens=MAX_TOTAL_TOKENS, dtype="float32") as engine:  # as the server
         prompt = engine.tokenizer.apply_chat_template(
             MESSAGES, add_generation_prompt=True, tokenize=False
         )

@@ -25,7 +25,8 @@ HEALTH_TIMEOUT = 1.5
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     log = tmp_path_factory.mktemp("encoder-only") / "server.log"
-    args = ["--health-timeout", str(HEALTH_TIMEOUT), "--log-level", "warning"]
+    # float32: a batch's vectors are compared with each input's alone
+    args = ["--health-timeout", str(HEALTH_TIMEOUT), "--log-level", "warning", "--dtype", "float32"]
     with running_server(default_embedding_model_path(), args, log, num_threads=None) as srv:
         yield srv
 

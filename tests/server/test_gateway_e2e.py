@@ -310,7 +310,8 @@ def test_models_through_the_gateway_name_the_served_model(
 
 
 def test_requests_reach_both_workers(gateway: Gateway, workers: list[LiveServer]) -> None:
-    """With one request in flight on one worker, new text goes to the other (least loaded)."""
+    """With one request in flight on one worker, new text reaches the other one too (0.3.2 sent
+    all of it there, the least loaded; the test asks only that the other one is used)."""
     name = _name(workers)
 
     async def go(client: httpx.AsyncClient) -> None:
@@ -323,7 +324,8 @@ def test_requests_reach_both_workers(gateway: Gateway, workers: list[LiveServer]
                 resp = await client.post("/v1/completions", json=body)
                 assert resp.status_code == 200, resp.text
             after = [_served(w, "/v1/completions") for w in (holder, other)]
-            assert [a - b for a, b in zip(after, before, strict=True)] == [0, 3]
+            moved = [a - b for a, b in zip(after, before, strict=True)]
+            assert sum(moved) == 3 and moved[1] >= 1, moved
             assert _running(holder) == 1  # still held: it did not end early either
             await _abort_at_workers(workers, rid)
 

@@ -71,16 +71,17 @@ class ServingContext:
 
 
 async def parse_body(request: Request, model_cls: type[M]) -> M:
-    """The JSON body as `model_cls`; malformed JSON or a wrong field is a 400. Strict JSON: no
-    NaN or Infinity, and text is Unicode (no lone surrogate escapes such as "\\ud800")."""
-    raw = await request.body()
+    """The JSON body as `model_cls`; malformed JSON or a wrong field is a 400. Strict JSON: UTF-8
+    (json.loads alone would take UTF-16 and UTF-32 too), no NaN or Infinity, and text is Unicode
+    (no lone surrogate escapes such as "\\ud800")."""
     try:
-        data = json.loads(raw, parse_constant=_not_json)
+        text = (await request.body()).decode("utf-8")
+        data = json.loads(text, parse_constant=_not_json)
     except RecursionError:
         raise APIError(400, "request body is nested too deeply", "invalid_json") from None
     except ValueError as exc:  # UnicodeDecodeError (bytes that are not UTF-8) among them
         raise APIError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-    if b"\\u" in raw and _has_lone_surrogate(data):
+    if "\\u" in text and _has_lone_surrogate(data):
         raise APIError(
             400, "request body is not valid JSON: a string holds a lone UTF-16 surrogate "
             "(an unpaired \\ud800-\\udfff escape)", "invalid_json",

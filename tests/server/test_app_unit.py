@@ -557,7 +557,10 @@ def test_server_info_without_encoders_has_an_empty_map(client) -> None:
     "content",
     [b'{"messages": [], "temperature": NaN}', b'{"messages": [], "max_tokens": Infinity}',
      b'{"messages": [{"role": "user", "content": "\\ud800"}]}', b"[" * 100_000,
-     b'{"messages": [{"role": "user", "content": "\xff"}]}'],
+     b'{"messages": [{"role": "user", "content": "\xff"}]}',
+     # JSON in UTF-16 (json.loads would take it), with a lone surrogate the encoding hides
+     '{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}'.encode("utf-16"),
+     '{"messages": [{"role": "user", "content": "hi"}]}'.encode("utf-32-le")],
 )  # fmt: skip
 def test_not_strict_json_is_a_400(client, content: bytes) -> None:
     resp = client.post(CHAT, content=content, headers={"content-type": "application/json"})

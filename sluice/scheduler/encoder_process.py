@@ -9,23 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.aborts import invalid
 from sluice.config import ServerArgs
 from sluice.messages import (
-    AbortReq,
-    BatchEmbeddingOutput,
-    FlushCacheReply,
-    FlushCacheReq,
-    GetInternalStateReq,
-    InternalStateReply,
     SchedulerHeartbeat,
-    SetPausedReq,
     TokenizedGenerateReqInput,
 )
-from sluice.scheduler.loop import ModelLoop, Request
+from sluice.scheduler.loop import ModelLoop, Request, SchedulerCore, abort_output
 from sluice.utils import ipc
 
 PROCESS_TITLE = "sluice::encoder"
+CANNOT_GENERATE = "this model is an encoder: it embeds or scores, it cannot generate"
 
 
 def run_encoder_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any) -> None:
@@ -45,12 +38,8 @@ def encoder_context_len(args: ServerArgs, max_seq_len: int, max_positions: int) 
     return args.context_length or max_seq_len
 
 
-class EncoderCore:
-    """The EncoderScheduler as a ModelCore: what each message does to it."""
-
-    def __init__(self, scheduler: Any, info: dict[str, int | float | str]) -> None:
-        self.scheduler = scheduler
-        self._info = info
+class EncoderCore(SchedulerCore):
+    """The EncoderScheduler as a ModelCore: pooled requests only."""
 
     @classmethod
     def load(cls, args: ServerArgs) -> EncoderCore:
@@ -85,50 +74,15 @@ class EncoderCore:
         }  # fmt: skip
         return cls(scheduler, info)
 
-    def info(self) -> dict[str, int | float | str]:
-        return self._info
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    def is_paused(self) -> bool:
-        return self.scheduler.paused
-
     def step(self) -> list[Any]:
         out = self.scheduler.step()
         return [] if out is None else [out]
 
-    def take_request(self, req: Request) -> BatchEmbeddingOutput | None:
-        if isinstance(req, TokenizedGenerateReqInput):
-            return _cannot_generate(req)
+    def take_request(self, req: Request) -> Any | None:
+        if isinstance(req, TokenizedGenerateReqInput):  # answered as generation is: 400
+            return abort_output(req, CANNOT_GENERATE, 400)
         self.scheduler.add_request(req)
-        return None
-
-    def handle_control(self, msg: Any) -> Any | None:
-        s = self.scheduler
-        match msg:
-            case AbortReq():
-                s.abort(msg)
-            case SetPausedReq():
-                s.set_paused(msg.paused)
-            case GetInternalStateReq():
-                return InternalStateReply(s.internal_state())
-            case FlushCacheReq():
-                return FlushCacheReply(s.flush_cache())
-            case _:
-                raise TypeError(type(msg).__name__)
         return None
 
     def heartbeat(self) -> SchedulerHeartbeat:
         return SchedulerHeartbeat(0, len(self.scheduler.waiting))
-
-    def tick(self) -> None:
-        pass
-
-
-def _cannot_generate(req: TokenizedGenerateReqInput) -> BatchEmbeddingOutput:
-    reason = invalid("this model is an encoder: it embeds or scores, it cannot generate")
-    return BatchEmbeddingOutput(
-        rids=[req.rid], embeddings=[b""], prompt_tokens=[len(req.input_ids)],
-        finished_reasons=[reason], reply_to=[req.reply_to],
-    )  # fmt: skip

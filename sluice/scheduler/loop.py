@@ -9,8 +9,9 @@ process can tell a stuck loop.
 
 A message that cannot be taken in ends only the requests it carries, each answered in the
 output type its kind expects: 400 when it cannot be decoded (if its rids can be read at all),
-500 when intake raised. A control message that raises is logged and dropped. Only an error
-inside `step()` ends the process, and the launcher's watchdog notices.
+500 when intake raised. A control message that raises is logged and still answered where its
+caller waits for a reply (a failed flush or session open). Only an error inside `step()`, or in
+building the internal state, ends the process, and the launcher's watchdog notices.
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ import zmq
 
 from sluice.aborts import internal_error, invalid
 from sluice.messages import (
+    AbortReq,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    FlushCacheReply,
+    FlushCacheReq,
+    GetInternalStateReq,
+    InternalStateReply,
+    OpenSessionReply,
+    OpenSessionReq,
     SamplingParams,
     SchedulerHeartbeat,
+    SetPausedReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -58,14 +67,58 @@ class ModelCore(Protocol):
         ...
 
     def handle_control(self, msg: Any) -> Any | None:
-        """Any other message; a reply to send, or None. Raises TypeError for a type it does not
-        take."""
+        """Any other message; a reply to send, or None. Raises UnknownMessage for a type it
+        does not take."""
         ...
 
     def heartbeat(self) -> SchedulerHeartbeat: ...
     def tick(self) -> None:
         """Housekeeping once per loop iteration, busy or idle (cheap)."""
         ...
+
+
+class UnknownMessage(Exception):
+    """A core's answer to a message type it does not take."""
+
+
+class SchedulerCore:
+    """What the cores of both model kinds share: a scheduler with `has_work`, `paused`,
+    `set_paused`, `abort`, `internal_state` and `flush_cache`. A kind adds its own messages in
+    `handle_own` and its housekeeping in `tick`."""
+
+    def __init__(self, scheduler: Any, info: dict[str, int | float | str]) -> None:
+        self.scheduler = scheduler
+        self._info = info
+
+    def info(self) -> dict[str, int | float | str]:
+        return self._info
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def is_paused(self) -> bool:
+        return self.scheduler.paused
+
+    def handle_control(self, msg: Any) -> Any | None:
+        s = self.scheduler
+        match msg:
+            case AbortReq():
+                s.abort(msg)
+            case SetPausedReq():
+                s.set_paused(msg.paused)
+            case GetInternalStateReq():
+                return InternalStateReply(s.internal_state())
+            case FlushCacheReq():
+                return FlushCacheReply(s.flush_cache())
+            case _:
+                return self.handle_own(msg)
+        return None
+
+    def handle_own(self, msg: Any) -> Any | None:
+        raise UnknownMessage(type(msg).__name__)
+
+    def tick(self) -> None:
+        pass
 
 
 class ModelLoop:
@@ -130,14 +183,18 @@ class ModelLoop:
             ipc.send(self.send_sock, out)
 
     def _take_control(self, msg: Any) -> None:
+        """A failing control message still gets its reply (its caller waits for one, in order);
+        one whose reply cannot be made without the scheduler (internal state) ends the process."""
         try:
             reply = self.core.handle_control(msg)
-        except TypeError:
+        except UnknownMessage:
             logger.error("dropped a message of unexpected type %s", type(msg).__name__)
             return
-        except Exception:
-            logger.exception("a %s failed; dropped it", type(msg).__name__)
-            return
+        except Exception as e:
+            if isinstance(msg, GetInternalStateReq):
+                raise
+            logger.exception("a %s failed", type(msg).__name__)
+            reply = _failure_reply(msg, f"{type(e).__name__}: {e}")
         if reply is not None:
             ipc.send(self.send_sock, reply)
 
@@ -157,6 +214,15 @@ def abort_output(req: Request, message: str, status_code: int) -> Any:
         no_stop_trim=[False], output_token_logprobs=[[]], output_top_logprobs=[[]],
         input_token_logprobs=[[]], input_top_logprobs=[[]], reply_to=[req.reply_to],
     )  # fmt: skip
+
+
+def _failure_reply(msg: Any, error: str) -> Any | None:
+    """The reply that says `msg` failed, for the messages that expect one."""
+    if isinstance(msg, FlushCacheReq):
+        return FlushCacheReply(False)
+    if isinstance(msg, OpenSessionReq):
+        return OpenSessionReply(msg.session_id, False, f"the scheduler failed: {error}")
+    return None
 
 
 def _undecodable_outputs(frames: list[bytes], message: str) -> list[Any]:

@@ -11,18 +11,12 @@ from typing import Any
 
 from sluice.config import ServerArgs
 from sluice.messages import (
-    AbortReq,
     CloseSessionReq,
-    FlushCacheReply,
-    FlushCacheReq,
-    GetInternalStateReq,
-    InternalStateReply,
     OpenSessionReq,
     SchedulerHeartbeat,
-    SetPausedReq,
     TokenizedEmbeddingReqInput,
 )
-from sluice.scheduler.loop import ModelLoop, Request
+from sluice.scheduler.loop import ModelLoop, Request, SchedulerCore
 from sluice.utils import ipc
 
 PROCESS_TITLE = "sluice::scheduler"
@@ -44,12 +38,8 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
     ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, build)
 
 
-class DecoderCore:
-    """The decoder's Scheduler as a ModelCore: what each message does to it."""
-
-    def __init__(self, scheduler: Any, info: dict[str, int | float | str]) -> None:
-        self.scheduler = scheduler
-        self._info = info
+class DecoderCore(SchedulerCore):
+    """The decoder's Scheduler as a ModelCore: generation and pooled requests, sessions."""
 
     @classmethod
     def load(cls, args: ServerArgs) -> DecoderCore:
@@ -72,15 +62,6 @@ class DecoderCore:
         }  # fmt: skip
         return cls(Scheduler(args, cfg, get_tokenizer(cfg.hf_dir), res), info)
 
-    def info(self) -> dict[str, int | float | str]:
-        return self._info
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    def is_paused(self) -> bool:
-        return self.scheduler.paused
-
     def step(self) -> list[Any]:
         outs = (self.scheduler.step(), self.scheduler.take_embedding_output())
         return [out for out in outs if out is not None]
@@ -91,24 +72,14 @@ class DecoderCore:
         else:
             self.scheduler.add_request(req)
 
-    def handle_control(self, msg: Any) -> Any | None:
-        s = self.scheduler
+    def handle_own(self, msg: Any) -> Any | None:
         match msg:
-            case AbortReq():
-                s.abort(msg)
-            case SetPausedReq():
-                s.set_paused(msg.paused)
-            case GetInternalStateReq():
-                return InternalStateReply(s.internal_state())
-            case FlushCacheReq():
-                return FlushCacheReply(s.flush_cache())
             case OpenSessionReq():
-                return s.open_session(msg)
+                return self.scheduler.open_session(msg)
             case CloseSessionReq():
-                s.close_session(msg)
-            case _:
-                raise TypeError(type(msg).__name__)
-        return None
+                self.scheduler.close_session(msg)
+                return None
+        return super().handle_own(msg)
 
     def heartbeat(self) -> SchedulerHeartbeat:
         s = self.scheduler

@@ -534,8 +534,8 @@ class EncoderManager(EmbeddingManager):
     async def get_internal_state(self) -> dict[str, Any]:
         self._check_healthy()
         fut = asyncio.get_running_loop().create_future()
+        self._send(GetInternalStateReq())  # first: a send that fails leaves no waiter in line
         self._state_waiters.append(fut)
-        self._send(GetInternalStateReq())
         try:
             reply = await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
         except TimeoutError:  # 503, as the TokenizerManager's control calls

@@ -172,10 +172,17 @@ def test_paused_runs_no_batch_but_ends_aborts_and_continues() -> None:
 
 def test_the_encoder_process_loop_answers_every_request_it_cannot_take(monkeypatch) -> None:
     """The same loop as the decoder's: an undecodable request is a 400, a failing intake a
-    500, a generation request a 400; none of them stops the loop."""
+    500, a generation request a 400 (in generation's output type), a failing flush still gets
+    its reply; none of them stops the loop."""
     import msgspec
 
-    from sluice.messages import BatchTokenizedEmbeddingReqInput, SamplingParams
+    from sluice.messages import (
+        BatchTokenIDOutput,
+        BatchTokenizedEmbeddingReqInput,
+        FlushCacheReply,
+        FlushCacheReq,
+        SamplingParams,
+    )
     from sluice.messages import TokenizedGenerateReqInput as Gen
     from sluice.scheduler.encoder_process import EncoderCore
     from sluice.scheduler.loop import ModelLoop
@@ -190,6 +197,7 @@ def test_the_encoder_process_loop_answers_every_request_it_cannot_take(monkeypat
         real_add(msg)
 
     s.add_request = add  # type: ignore[method-assign]
+    s.flush_cache = lambda: 1 / 0  # type: ignore[method-assign]
     heartbeat = ipc.HeartbeatTimer(1e9)
     heartbeat.last = 1e18
     loop = ModelLoop(EncoderCore(s, {}), None, None, heartbeat)
@@ -199,12 +207,16 @@ def test_the_encoder_process_loop_answers_every_request_it_cannot_take(monkeypat
         [b"TokenizedEmbeddingReqInput", no_ids],
         ipc.encode(Gen("gen", [1, 2], SamplingParams(), reply_to="r")),
         [b"NoSuchMessage", b"\x80"],
+        ipc.encode(FlushCacheReq()),
     ]
     sent: list = []
     monkeypatch.setattr(ipc, "recv_all", lambda sock, timeout: [inbox.pop(0)] if inbox else [])
     monkeypatch.setattr(ipc, "send", lambda sock, msg: sent.append(msg))
-    for _ in range(6):
+    for _ in range(7):
         loop.run_once()
+    assert sent.pop() == FlushCacheReply(False)
+    outs = {rid: m for m in sent for rid in m.rids}
+    assert isinstance(outs["gen"], BatchTokenIDOutput)
     reasons = {rid: f for m in sent for rid, f in zip(m.rids, m.finished_reasons, strict=True)}
     assert reasons["ok"].type == "length"
     assert (reasons["boom"].status_code, reasons["bad"].status_code) == (500, 400)

@@ -374,6 +374,13 @@ def test_a_kernel_builds_once_and_fresh_processes_load_it_without_the_builder(
     out = _output(_build_in_fresh_process("sluice_tiny", str(second), "no-builder", env=env))
     assert "ANSWER 42" in out and "reusing the CPU kernels sluice_tiny" in out, out
     assert "building" not in out
+    # a finished build whose .so no longer loads is built again in its place, once
+    (so,) = folder.glob("*.so")
+    so.write_bytes(b"truncated")
+    out = _output(_build_in_fresh_process("sluice_tiny", str(second), "builder", env=env))
+    assert "ANSWER 42" in out and "do not load" in out and "built the CPU kernels" in out, out
+    out = _output(_build_in_fresh_process("sluice_tiny", str(second), "no-builder", env=env))
+    assert "ANSWER 42" in out and "building" not in out, out
 
 
 def test_a_fresh_process_loads_the_built_kernels_without_the_builder(native_ops) -> None:

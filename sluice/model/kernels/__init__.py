@@ -122,19 +122,27 @@ def build_key(code: bytes, flags: Sequence[str], torch_version: str, python: str
 
 
 def _load_built(folder: Path) -> Any | None:
-    """The module of a finished build folder (None: no such folder), imported as it is."""
+    """The module of a finished build folder, imported as it is; None when there is none, or
+    when it does not load (a deleted or truncated .so, a changed system library): the caller
+    then builds it again in its place."""
     try:
         info = json.loads((folder / BUILD_INFO).read_text())
     except (OSError, ValueError):
         return None
     import torch  # noqa: F401  (the module links against the libraries torch loads)
 
-    name = info["module"]
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.so")
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {folder / name}.so")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        name = info["module"]
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.so")
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {folder / name}.so")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError, KeyError, TypeError) as e:
+        logger.warning(
+            "the CPU kernels built in %s do not load (%s); building them again", folder, e
+        )
+        return None
     return module
 
 

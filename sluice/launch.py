@@ -16,6 +16,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import signal
 import socket
 import time
@@ -215,16 +216,20 @@ class ServingProcesses:
         return msg
 
     def _stop_children(self) -> None:
-        """SIGTERM to every child at once (each exits within milliseconds: see
-        `ipc.exit_on_sigterm`), then SIGKILL to any still alive STOP_TIMEOUT_S later."""
+        """STOP_SIGNAL to every child at once (each exits within milliseconds: see
+        `ipc.exit_on_stop_signal`), then SIGKILL to any still alive STOP_TIMEOUT_S later."""
         for child in self._children:
-            if child.process.is_alive():
-                child.process.terminate()
+            if child.process.is_alive() and child.process.pid is not None:
+                os.kill(child.process.pid, ipc.STOP_SIGNAL)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for child in self._children:
             child.process.join(max(deadline - time.monotonic(), 0))
             if child.process.is_alive():
-                logger.warning("the %s process ignored SIGTERM; killing it", child.name)
+                logger.warning(
+                    "the %s process did not stop within %g s; killing it",
+                    child.name,
+                    STOP_TIMEOUT_S,
+                )
                 child.process.kill()
                 child.process.join(1.0)
             logger.info("the %s process exited with code %s", child.name, child.process.exitcode)

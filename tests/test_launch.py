@@ -179,7 +179,9 @@ def test_dead_scheduler_fails_requests_with_503(tiny_llama_dir: str) -> None:
 class Server:
     """`embedding`: a test model keeps the default embedding model (a `sluice::encoder` child)."""
 
-    def __init__(self, model_path: str | None, tmp_path: Any, embedding: bool = False) -> None:
+    def __init__(
+        self, model_path: str | None, tmp_path: Any, embedding: bool = False, group: bool = False
+    ) -> None:
         self.port = _free_port()
         self.log = tmp_path / f"server-{self.port}.log"
         cmd = [*SERVE, "--port", str(self.port), "--max-total-tokens", "4096"]
@@ -187,7 +189,10 @@ class Server:
             cmd += ["--model-path", model_path]
             cmd += [] if embedding else ["--no-embedding-model"]
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            # group: a process group (and session) of its own, to be signalled whole
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=group
+            )
         self.ps = psutil.Process(self.proc.pid)
 
     def wait_healthy(self, timeout: float = 180) -> None:
@@ -219,8 +224,8 @@ class Server:
 def start_server(tmp_path: Any) -> Iterator[Any]:
     servers: list[Server] = []
 
-    def start(model_path: str | None, embedding: bool = False) -> Server:
-        servers.append(Server(model_path, tmp_path, embedding))
+    def start(model_path: str | None, embedding: bool = False, group: bool = False) -> Server:
+        servers.append(Server(model_path, tmp_path, embedding, group))
         return servers[-1]
 
     yield start
@@ -250,23 +255,61 @@ def _is_running(proc: psutil.Process) -> bool:
         return False
 
 
-def _sluice_children(server: Server) -> dict[str, psutil.Process]:
+def _sluice_children(server: Server, embedding: bool = True) -> dict[str, psutil.Process]:
     kids = {cmd.split()[0]: p for cmd, p in server.children().items() if cmd.startswith("sluice::")}
-    assert set(kids) == {"sluice::scheduler", "sluice::detokenizer", "sluice::encoder"}, kids
+    expected = {"sluice::scheduler", "sluice::detokenizer"} | (
+        {"sluice::encoder"} if embedding else set()
+    )
+    assert set(kids) == expected, kids
     return kids
 
 
-def test_sigterm_to_each_child_exits_it_at_once(start_server: Any, tiny_llama_dir: str) -> None:
+def test_the_stop_signal_exits_each_child_at_once(start_server: Any, tiny_llama_dir: str) -> None:
     server = start_server(tiny_llama_dir, embedding=True)  # with the default embedding model
     server.wait_healthy()
     kids = _sluice_children(server)
     for kid in kids.values():
-        kid.send_signal(signal.SIGTERM)
+        kid.send_signal(ipc.STOP_SIGNAL)
     assert not _exited_within(list(kids.values()), 1.0)
     assert server.proc.wait(30) == 1  # a child's death stops the server
     log = server.log.read_text()
-    assert "ignored SIGTERM" not in log and "died (exit code 0)" in log
+    assert "did not stop" not in log and "died (exit code 0)" in log
     for name in ("scheduler", "detokenizer", "embedding"):
+        assert f"the {name} process exited with code 0" in log, log
+
+
+def test_a_sigterm_to_the_whole_process_group_drains(
+    start_server: Any, tiny_llama_dir: str
+) -> None:
+    """A service manager's stop (systemd's KillMode=control-group) signals every process at
+    once: the children stay up while the launcher drains, so the request in flight (held queued
+    by a pause until the signal) finishes, and every process then exits 0."""
+    server = start_server(tiny_llama_dir, group=True)
+    server.wait_healthy()
+    base = f"http://127.0.0.1:{server.port}"
+    kids = _sluice_children(server, embedding=False)
+    assert httpx.post(f"{base}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            call = asyncio.create_task(client.post("/generate", json=body))
+            deadline = time.monotonic() + 30
+            while (await client.get("/get_server_info")).json()["internal_state"][
+                "num_waiting_reqs"
+            ] != 1:
+                assert time.monotonic() < deadline, "the request was not queued"
+                await asyncio.sleep(0.01)
+            os.killpg(server.proc.pid, signal.SIGTERM)
+            return await call
+
+    resp = asyncio.run(go())
+    assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 8
+    assert server.proc.wait(30) == 0
+    assert not _exited_within(list(kids.values()), 5.0)
+    log = server.log.read_text()
+    assert "did not stop" not in log and "died" not in log, log
+    for name in ("scheduler", "detokenizer"):
         assert f"the {name} process exited with code 0" in log, log
 
 
@@ -288,7 +331,7 @@ def test_sigterm_stops_everything_cleanly(start_server: Any) -> None:
     assert not alive, f"still running 3 s after SIGTERM: {alive}"
     assert server.proc.wait(30) == 0
     log = server.log.read_text()
-    assert "ignored SIGTERM" not in log
+    assert "did not stop" not in log
     for name in ("scheduler", "detokenizer", "embedding"):
         assert f"the {name} process exited with code 0" in log, log
 

@@ -43,7 +43,7 @@ def run_detokenizer_process(
     except BaseException:
         ipc.report_ready(ready_conn, ReadyMsg("detokenizer", error=traceback.format_exc()))
         raise SystemExit(1) from None
-    ipc.exit_on_sigterm()  # the launcher's stop is a clean exit, at once; set before the handshake
+    ipc.exit_on_stop_signal()  # the launcher's stop: a clean exit, at once; before the handshake
     ipc.report_ready(ready_conn, ReadyMsg("detokenizer"))
     loop.run_forever()
 

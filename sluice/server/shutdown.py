@@ -2,8 +2,8 @@
 a library user of the app gets no signal handlers).
 
 First signal: readiness turns 503 and new requests get 503 "shutting_down" on every model
-(`begin_shutdown` of the TokenizerManager and of each encoder model's manager); requests in
-flight, generation and pooled (embeddings, scores, rerank) alike, may finish for up to
+(`begin_shutdown` of the TokenizerManager and of each encoder model's manager), and a paused
+server continues (/pause_generation's hold ends); requests in flight, generation and pooled (embeddings, scores, rerank) alike, may finish for up to
 `--shutdown-timeout` seconds; whatever is still running then ends with a 503 "shutdown" abort
 (streams get an error frame, then [DONE]); then uvicorn stops, which waits for those last
 responses to be written. A second signal stops at once.
@@ -66,8 +66,10 @@ class GracefulShutdown:
         """Whatever goes wrong in here, the server stops at the end."""
         try:
             self.tm.begin_shutdown()
+            self.tm.set_paused(False)  # a paused server (/pause_generation) drains too
             for encoder in self.encoders:
                 encoder.begin_shutdown()
+                encoder.set_paused(False)
             deadline = time.monotonic() + self.timeout
             while self.num_in_flight() and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)

@@ -132,14 +132,19 @@ def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
 # ---------------------------------------------------------------------------- child processes
 
 
+STOP_SIGNAL = signal.SIGUSR1  # how the launcher stops a child (a clean exit, at once)
+
+
 def setup_child_process(title: str, log_level: str) -> None:
     """Name the process, configure logging, leave Ctrl-C to the parent, die with the parent."""
     from setproctitle import setproctitle
 
     setproctitle(title)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # the launcher stops children with SIGTERM; a terminal's Ctrl-C reaches the whole group
+    # a terminal's Ctrl-C and a service manager's SIGTERM reach the whole group: the launcher
+    # answers them (a drain), then stops its children with STOP_SIGNAL
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level, title)
     _watch_parent(os.getppid())
 
@@ -173,27 +178,30 @@ def report_ready(conn: Any, msg: messages.ReadyMsg) -> None:
 def run_child(title: str, log_level: str, ready_conn: Any, build: Callable[[], Any]) -> None:
     """Entry of a model-serving child: name the process, build its loop, report ready (or the
     start-up traceback, then exit 1), and run the loop until the launcher stops it (SIGTERM:
-    `exit_on_sigterm`). `build()` returns an object with `info() -> dict` and `run_forever()`."""
+    `exit_on_stop_signal`). `build()` returns an object with `info() -> dict` and `run_forever()`."""
     setup_child_process(title, log_level)
     try:
         loop = build()
     except BaseException:
         report_ready(ready_conn, messages.ReadyMsg("scheduler", error=traceback.format_exc()))
         raise SystemExit(1) from None
-    exit_on_sigterm()  # before the handshake: the launcher may stop any child once it is ready
+    exit_on_stop_signal()  # before the handshake: the launcher may stop any child once it is ready
     report_ready(ready_conn, messages.ReadyMsg("scheduler", info=loop.info()))
     loop.run_forever()
 
 
-def exit_on_sigterm() -> None:
-    """From now on SIGTERM (the launcher's stop) ends this process at once, with status 0.
+def exit_on_stop_signal() -> None:
+    """From now on STOP_SIGNAL (the launcher's stop) ends this process at once, with status 0.
 
-    Not `sys.exit`: the interpreter's teardown (garbage collection of torch's and transformers'
+    Not SIGTERM, which a child ignores (`setup_child_process`): a SIGTERM sent to the whole
+    process group (systemd's default `KillMode=control-group`, `kill -- -PGID`) must leave the
+    children serving while the launcher drains, and the launcher stops them after. Not
+    `sys.exit`: the interpreter's teardown (garbage collection of torch's and transformers'
     module graphs, torch's finalizers unregistering every operator library) takes about a
     second of CPU per process even on a quiet machine, and several children tearing down at
     once on a busy one ran past the launcher's STOP_TIMEOUT_S. A child owns nothing that needs
     it: its sockets and files are closed by the kernel, the socket dir is the launcher's."""
-    signal.signal(signal.SIGTERM, _exit_now)
+    signal.signal(STOP_SIGNAL, _exit_now)
 
 
 def _exit_now(signum: int, frame: Any) -> None:

@@ -10,7 +10,7 @@ radix cache, and the scheduler's RSS grows with it until the pool is full, then 
 4 KiB a cached token, measured on CPU): the storm's pool stays small, so the bound sees leaks.
 
 The drain: a short and a long request are queued while generation is paused, so both are in
-flight at the SIGTERM by construction; generation continues after it. The short one (a few
+flight at the SIGTERM by construction; the drain continues generation itself. The short one (a few
 tokens) finishes within the drain; the long one (ignore_eos, nearly the whole context of
 CONTEXT_LEN positions, far more than the drain leaves time for) is aborted with "shutdown".
 """
@@ -39,7 +39,7 @@ from tests.server.live_server import (
 STORM_REQUESTS, STORM_CLIENTS, STORM_DEADLINE_S = 600, 32, 90
 RSS_GROWTH_BOUND = 64 * 2**20
 SHUTDOWN_TIMEOUT = 5.0  # the short request needs a few steps of it
-CONTEXT_LEN = 32768  # the long request's tokens: seconds of decoding even at 0.1 ms a token
+CONTEXT_LEN = 131072  # the long request's tokens: 13 s of decoding even at 0.1 ms a token
 GREEDY = {"text": "The quick brown fox", "sampling_params": {"temperature": 0, "max_new_tokens": 24}}  # fmt: skip
 
 
@@ -203,9 +203,10 @@ def test_sigterm_drains_then_aborts_then_exits_zero(draining_server: LiveServer)
                 )
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "shutting_down"
-            finally:
+            except BaseException:
                 await _set_paused(client, False)
-            await asyncio.gather(*tasks)
+                raise
+            await asyncio.gather(*tasks)  # the drain itself continued the paused server
         return short, long
 
     signalled = time.monotonic()

@@ -48,7 +48,7 @@ class ServerArgs:
     dtype: str = _opt(
         "auto",
         "weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with native bfloat16, AMX-BF16 "
-        "or AVX512-BF16, where it is about twice as fast as float32; float32 on other CPUs)",
+        "or AVX512-BF16; float32 on other CPUs; README.md says what each costs)",
         choices=["auto", "float32", "bfloat16", "float16"],
     )  # fmt: skip
     device: str = _opt(

@@ -103,11 +103,20 @@ def prepare_hf_dir(path: str) -> str:
     return str(final)
 
 
+GGUF_KEY_SAMPLE = 4 << 20  # bytes hashed from each end of a GGUF to key its conversion
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_dir() / "gguf" / f"{gguf_path.stem}-{digest}"
+    """Where the conversion of `gguf_path` lives, keyed by its content (its size and the bytes
+    at both ends: the header with every tensor's metadata, and the last tensor data), not its
+    path: the same file in a second checkout or virtual environment reuses the conversion."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(GGUF_KEY_SAMPLE))
+        f.seek(max(size - GGUF_KEY_SAMPLE, 0))
+        digest.update(f.read(GGUF_KEY_SAMPLE))
+    return cache_dir() / "gguf" / f"{gguf_path.stem}-{digest.hexdigest()[:12]}"
 
 
 def build_dir_once(final: Path, build: Callable[[Path], None]) -> None:

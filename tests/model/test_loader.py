@@ -238,3 +238,20 @@ def test_model_names():
     assert model_name_of("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
     assert model_name_of("/x/qwen2-0_5b-instruct-q8_0.gguf") == "qwen2-0_5b-instruct"
     assert model_name_of("/models/Llama-3.2-1B/") == "Llama-3.2-1B"
+
+
+def test_gguf_conversion_is_keyed_by_content_not_path(tmp_path, smollm2_gguf):
+    """A copy of the same file elsewhere (a second checkout or venv) reuses the conversion; a
+    file that differs gets its own."""
+    from sluice.model.loader import gguf_cache_dir
+
+    copy = tmp_path / "venv2" / Path(smollm2_gguf).name
+    copy.parent.mkdir()
+    shutil.copyfile(smollm2_gguf, copy)
+    assert gguf_cache_dir(copy) == gguf_cache_dir(Path(smollm2_gguf))
+    with open(copy, "r+b") as f:  # one byte of the header changed
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    assert gguf_cache_dir(copy) != gguf_cache_dir(Path(smollm2_gguf))

@@ -29,6 +29,7 @@ from sluice.utils import ipc
 logger = logging.getLogger(__name__)
 
 PROCESS_TITLE = "sluice::detokenizer"
+WAKE_MS = 200
 
 
 def run_detokenizer_process(
@@ -59,8 +60,11 @@ class DetokenizerLoop:
         self.send_sock = ipc.push_socket(self.ctx, addrs.tokenizer_in)
 
     def run_forever(self) -> None:
+        """Never blocks for longer than WAKE_MS: a signal that the kernel hands to another
+        thread (the launcher's stop) runs its Python handler only when this thread wakes."""
         while True:
-            self.handle(self.recv_sock.recv_multipart())
+            if self.recv_sock.poll(WAKE_MS):
+                self.handle(self.recv_sock.recv_multipart())
 
     def handle(self, frames: list[bytes]) -> None:
         try:

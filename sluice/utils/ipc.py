@@ -162,6 +162,8 @@ def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     """Exit as soon as the parent is gone (re-parented), so no child outlives the server."""
 
     def watch() -> None:
+        # the stop signal is the main thread's to take (its handler runs there anyway)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
         while os.getppid() == parent_pid:
             time.sleep(interval_s)
         os._exit(1)

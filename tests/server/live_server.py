@@ -153,3 +153,13 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+async def set_paused(client: httpx.AsyncClient, paused: bool) -> None:
+    """/pause_generation in place, or /continue_generation: while paused no model runs a
+    forward step, so every request sent meanwhile stays in flight until the test lets it go."""
+    if paused:
+        resp = await client.post("/pause_generation", json={"mode": "in_place"})
+    else:
+        resp = await client.post("/continue_generation")
+    assert resp.status_code == 200 and resp.json()["success"], resp.text

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
-from tests.server.live_server import LiveServer, assert_no_state_left, metric, running_server
+from tests.server.live_server import (
+    LiveServer,
+    assert_no_state_left,
+    metric,
+    running_server,
+    set_paused,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -235,8 +241,7 @@ def test_a_client_that_goes_away_leaves_nothing_behind(server: LiveServer, chat_
 
     async def go() -> None:
         async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
-            resp = await client.post("/pause_generation", json={"mode": "in_place"})
-            assert resp.status_code == 200 and resp.json()["success"], resp.text
+            await set_paused(client, True)
             try:
                 call = asyncio.create_task(client.post("/v1/embeddings", json=body))
                 await asyncio.to_thread(server.wait_for, all_queued, 30)
@@ -244,7 +249,7 @@ def test_a_client_that_goes_away_leaves_nothing_behind(server: LiveServer, chat_
                 await asyncio.gather(call, return_exceptions=True)
                 await asyncio.to_thread(server.wait_idle, 30)
             finally:
-                assert (await client.post("/continue_generation")).status_code == 200
+                await set_paused(client, False)
 
     asyncio.run(go())
     assert_no_state_left(server.wait_idle())

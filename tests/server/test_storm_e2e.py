@@ -34,6 +34,7 @@ from tests.server.live_server import (
     long_context_tiny_llama,
     metric,
     running_server,
+    set_paused,
 )
 
 STORM_REQUESTS, STORM_CLIENTS, STORM_DEADLINE_S = 600, 32, 90
@@ -161,15 +162,6 @@ async def _events(client: httpx.AsyncClient, body: dict[str, Any], out: list[Any
                 out.append(data if data == "[DONE]" else json.loads(data))
 
 
-async def _set_paused(client: httpx.AsyncClient, paused: bool) -> None:
-    """/pause_generation in place, or /continue_generation."""
-    if paused:
-        resp = await client.post("/pause_generation", json={"mode": "in_place"})
-    else:
-        resp = await client.post("/continue_generation")
-    assert resp.status_code == 200 and resp.json()["success"], resp.text
-
-
 def _both_queued(state: dict[str, Any]) -> bool:
     return state["paused"] and state["num_waiting_reqs"] == 2
 
@@ -182,7 +174,7 @@ def test_sigterm_drains_then_aborts_then_exits_zero(draining_server: LiveServer)
         long: list[Any] = []
         async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
             base = {"prompt": "drain", "ignore_eos": True, "temperature": 0, "stream": True}
-            await _set_paused(client, True)
+            await set_paused(client, True)
             try:
                 tasks = [
                     asyncio.create_task(_events(client, {**base, "max_tokens": 20}, short)),
@@ -204,7 +196,7 @@ def test_sigterm_drains_then_aborts_then_exits_zero(draining_server: LiveServer)
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "shutting_down"
             except BaseException:
-                await _set_paused(client, False)
+                await set_paused(client, False)
                 raise
             await asyncio.gather(*tasks)  # the drain itself continued the paused server
         return short, long

@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test lint bench bench-grammar
 
 install: $(STAMP)
 
@@ -30,3 +30,9 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py
+
+# xgrammar is measured beside llguidance, not used by sluice: installed here without its
+# dependencies (they pull triton; the benchmark needs only its CPU matcher)
+bench-grammar: install
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	$(PY) benchmarks/grammar_backends.py

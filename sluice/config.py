@@ -99,6 +99,18 @@ class ServerArgs:
         "requests in flight beyond --max-running-requests before new ones get 429 (0: no limit)",
         at_least=0,
     )
+    grammar_backend: str = _opt(
+        "llguidance",
+        "engine for json_schema / regex / ebnf constraints and forced tool calls (none: such "
+        "requests get 400)",
+        choices=["llguidance", "none"],
+    )
+    grammar_compile_timeout: float = _opt(
+        10.0,
+        "seconds a grammar may take to compile; past it the request gets 400 and the same "
+        "grammar fails at once afterwards",
+        above=0,
+    )
 
     # serving
     host: str = _opt("127.0.0.1", "address to listen on")

@@ -30,6 +30,7 @@ from sluice.messages import (
 from sluice.model.loader import load_model_config
 from sluice.scheduler.resources import resolve_resources
 from sluice.scheduler.scheduler import Scheduler
+from sluice.tokenizer import normalize
 from sluice.utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ Prompt = str | list[int]
 
 
 def parse_sampling_params(params: dict[str, Any] | None) -> SamplingParams:
-    """A SamplingParams from a plain dict (unknown keys are an error, as are wrong types)."""
+    """A SamplingParams from a plain dict (unknown keys are an error, as are wrong types, more
+    than one grammar and a JSON schema that is not JSON)."""
     params = dict(params or {})
     unknown = set(params) - set(SamplingParams.__struct_fields__)
     if unknown:
@@ -47,6 +49,10 @@ def parse_sampling_params(params: dict[str, Any] | None) -> SamplingParams:
         params["stop"] = [params["stop"]]
     if params.get("logit_bias"):
         params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
+    try:
+        normalize.check_grammar(params)
+    except normalize.RequestError as e:
+        raise ValueError(e.message) from None
     return msgspec.convert(params, SamplingParams)
 
 

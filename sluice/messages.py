@@ -33,6 +33,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # at most one grammar (scheduler/grammar.py): a JSON schema (JSON text), a regular expression
+    # the whole output matches, or a Lark/GBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class SessionParams(msgspec.Struct, omit_defaults=True):
@@ -187,6 +192,7 @@ class InternalState(msgspec.Struct):
     device: str = ""  # where the model runs, as resolved at start-up (e.g. "cpu", "cuda")
     dtype: str = ""  # e.g. "float32"
     paused: bool = False  # by /pause_generation: no forward step runs until it is continued
+    num_grammar_reqs: int = 0  # requests waiting for their grammar to compile
 
 
 class SchedulerHeartbeat(msgspec.Struct):

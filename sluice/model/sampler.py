@@ -6,7 +6,9 @@
 1. logit processors on a copy of the logits (only when some request has one): repetition penalty
    (HF: divide positive / multiply negative logits of tokens seen in prompt or output), then the
    additive terms (logit_bias minus OpenAI frequency/presence penalties over output tokens), then
-   -inf on tokens blocked until `min_new_tokens` is reached;
+   -inf on tokens blocked until `min_new_tokens` is reached, then -inf on the tokens a request's
+   grammar does not allow (a grammar wins over `min_new_tokens`: a row that the two together
+   leave with no token keeps the grammar's mask alone);
 2. greedy rows (temperature 0 or top_k 1) take the argmax of the processed logits;
 3. sampling rows: temperature, top-k (on logits), softmax, top-p, min-p (on probabilities), and one
    inverse-CDF draw per row.
@@ -14,7 +16,7 @@
 Reproducibility: the only randomness of a request at output step t is one uniform number derived
 from (seed, t) by a counter-based hash, so a seeded request picks the same token whatever batch it
 is in and whatever its row; every other step works row by row. Log-probabilities are always those
-of the raw logits (before processors and temperature).
+of the raw logits (before processors, grammar masks and temperature).
 """
 
 from __future__ import annotations
@@ -76,10 +78,15 @@ class SamplingBatchInfo:
     repetition: SparseLogits | None  # values: repetition penalty of the (row, token)
     additive: SparseLogits | None  # values: added to the logit
     blocked: SparseLogits | None  # (row, token) set to -inf; values unused
+    grammar_rows: torch.Tensor | None = None  # int64 [G] rows constrained by a grammar
+    grammar_masks: torch.Tensor | None = None  # int32 [G, ceil(V / 32)]: bit t set = t allowed
 
     @property
     def has_logit_processors(self) -> bool:
-        return self.repetition is not None or self.additive is not None or self.blocked is not None
+        return (
+            self.repetition is not None or self.additive is not None or self.blocked is not None
+            or self.grammar_rows is not None
+        )  # fmt: skip
 
     @classmethod
     def build(
@@ -91,7 +98,10 @@ class SamplingBatchInfo:
         min_new_blocked_ids: list[list[int]],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        grammar_rows: list[int] | None = None,
+        grammar_masks: torch.Tensor | None = None,
     ) -> SamplingBatchInfo:
+        """`grammar_masks` [G, ceil(V / 32)] are the bitmasks of the rows `grammar_rows`."""
         rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         sp = [params[i] for i in rows]
         top_ks = [_top_k(p, vocab_size) for p in sp]
@@ -117,6 +127,8 @@ class SamplingBatchInfo:
             repetition=_build_repetition(params, prompt_ids, output_ids, vocab_size, device),
             additive=_build_additive(params, output_ids, vocab_size, device),
             blocked=_build_blocked(params, output_ids, min_new_blocked_ids, vocab_size, device),
+            grammar_rows=torch.tensor(grammar_rows, **i64) if grammar_rows else None,
+            grammar_masks=grammar_masks.to(device) if grammar_rows else None,
         )
 
 
@@ -236,7 +248,30 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
         out.index_put_((rows, cols), values, accumulate=True)
     if info.blocked is not None:
         out[info.blocked.rows, info.blocked.cols] = float("-inf")
+    if info.grammar_rows is not None:
+        _apply_grammar(out, logits, info.grammar_rows, info.grammar_masks)
     return out
+
+
+def unpack_bitmask(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [G, vocab_size] from int32 bitmasks [G, ceil(vocab_size / 32)] (bit t of word w:
+    token 32 * w + t)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
+    bits = (masks.unsqueeze(-1) >> shifts) & 1  # [G, W, 32]
+    return bits.reshape(masks.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _apply_grammar(
+    out: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor
+) -> None:
+    """-inf on disallowed tokens of the grammar rows of `out`; a row left with no allowed token
+    (blocked by min_new_tokens where the grammar allows only a stop) restarts from `raw`."""
+    allowed = unpack_bitmask(masks, out.shape[1]).to(out.device)
+    sub = out[rows].masked_fill_(~allowed, float("-inf"))  # [G, V]
+    empty = torch.isneginf(sub.amax(dim=-1))
+    if bool(empty.any()):
+        sub[empty] = raw[rows[empty]].masked_fill(~allowed[empty], float("-inf"))
+    out[rows] = sub
 
 
 def sample(

@@ -147,11 +147,15 @@ def _sample_and_append(
         reqs, logits = [reqs[i] for i in keep], logits[keep]
         if not reqs:
             return
+    grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    masks = (
+        sched.grammars.fill_masks([reqs[i].grammar for i in grammar_rows]) if grammar_rows else None
+    )
     info = SamplingBatchInfo.build(
         [r.params for r in reqs], [r.seed for r in reqs],
         [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
         [list(r.stop_ids) if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs],
-        logits.shape[-1], logits.device,
+        logits.shape[-1], logits.device, grammar_rows, masks,
     )  # fmt: skip
     max_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
     want_lp = any(r.return_logprob for r in reqs)

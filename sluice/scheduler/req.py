@@ -20,6 +20,7 @@ import time
 import torch
 
 from sluice.messages import FinishReason, SamplingParams, TopLogprobs
+from sluice.scheduler.grammar import GrammarMatcher
 
 EMBED, SCORE = "embed", "score"  # pooling of a prefill-only request
 
@@ -60,6 +61,8 @@ class Req:
         self.pooled = pooled
         self.label_token_ids = label_token_ids
         self.pooled_result = b""  # little-endian float32, set when a pooled request succeeds
+        # the grammar state of a constrained request (scheduler/grammar.py), None otherwise
+        self.grammar: GrammarMatcher | None = None
 
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None

@@ -42,6 +42,7 @@ from sluice.model.model_config import ModelConfig
 from sluice.model.runner import ModelRunner
 from sluice.scheduler.batch import run_decode, run_prefill
 from sluice.scheduler.finish import FinishChecker
+from sluice.scheduler.grammar import GrammarManager, grammar_key
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sluice.scheduler.output import build_embedding_output, build_output
 from sluice.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
 RETRACT_HEADROOM_STEPS = 16  # decode steps of room to make when retracting
+GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle step waits for a compilation
 
 
 class Scheduler:
@@ -69,6 +71,11 @@ class Scheduler:
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.rng = random.Random(args.random_seed)
         self.sessions = SessionManager(prepended_bos(tokenizer))
+        self.grammars = (
+            None
+            if args.grammar_backend == "none"
+            else GrammarManager(tokenizer, cfg.vocab_size, args.grammar_compile_timeout)
+        )
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -101,13 +108,16 @@ class Scheduler:
             error = f"a request with rid {msg.rid!r} is already running"
         if error is not None:
             return self._reject(req, error, "invalid_request")
+        grammar = self._grammar_status(req)
+        if grammar not in (None, "queued"):
+            return self._reject(req, grammar, "invalid_grammar")
         if plan is not None:
             replaced = abort(
                 409, "session_replaced", "a later turn of the session replaced this request"
             )
             for victim in self.sessions.start(plan, req, req.arrival_time):
                 self._mark_abort(victim, replaced)
-        self._enqueue(req)
+        self._enqueue(req, queued=grammar == "queued")
 
     def add_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
         """Take a prefill-only request in: an embedding (no `label_token_ids`) or label-token
@@ -125,10 +135,31 @@ class Scheduler:
             return self._reject(req, error, "invalid_request")
         self._enqueue(req)
 
-    def _enqueue(self, req: Req) -> None:
+    def _enqueue(self, req: Req, queued: bool = False) -> None:
+        """Register a live request: in the waiting queue, or (`queued`) in the grammar queue."""
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        if not queued:
+            self.waiting.append(req)
         self.deadlines.add(req, req.arrival_time)
+
+    def _grammar_status(self, req: Req) -> str | None:
+        """None: no grammar, or its matcher is attached; "queued": compiling; else the error."""
+        key = grammar_key(req.params)
+        if key is None:
+            return None
+        if self.grammars is None:
+            return f"{key[0]} needs a grammar backend; this server runs with --grammar-backend none"
+        return self.grammars.add(req, key, req.arrival_time)
+
+    def _poll_grammars(self, now: float) -> None:
+        """Requests whose grammar compiled join the waiting queue; failed ones end with 400."""
+        if not self.grammars:
+            return
+        ready, failed = self.grammars.poll(now)
+        self.waiting.extend(ready)
+        for req, error in failed:
+            self.touched.append(req)
+            self.finish(req, invalid(error, "invalid_grammar"))
 
     def _reject(self, req: Req, message: str, code: str) -> None:
         req.finished_reason = invalid(message, code)
@@ -209,8 +240,12 @@ class Scheduler:
             req.to_abort = reason
             self.aborting.append(req)
         self._process_aborts()
+        self._poll_grammars(now)
         if not self.paused and not self._step_prefill() and self.running:
             self._step_decode()
+        elif self.grammars and not (self.waiting or self.running or self.chunked_req):
+            # only compilations are in flight: wait a little for one instead of spinning
+            self.grammars.wait(GRAMMAR_WAIT_S)
         if self.is_idle():
             self.new_token_ratio = NEW_TOKEN_RATIO_INIT
             if self.args.check_invariants:
@@ -220,7 +255,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(
             self.waiting or self.running or self.chunked_req or self.touched or self.aborting
-            or self.pooled_done
+            or self.pooled_done or self.grammars
         )  # fmt: skip
 
     def set_paused(self, paused: bool) -> None:
@@ -230,7 +265,7 @@ class Scheduler:
         self.paused = paused
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req)
+        return not (self.waiting or self.running or self.chunked_req or self.grammars)
 
     def _step_prefill(self) -> bool:
         if not self.waiting and self.chunked_req is None:
@@ -293,6 +328,8 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         reason = self.finish_checker.check(req)
+        if req.grammar is not None:
+            reason = _grammar_finish(req, token, reason)
         self.touched.append(req)
         if reason is not None:
             self.finish(req, reason)
@@ -377,6 +414,8 @@ class Scheduler:
         aborting, self.aborting = self.aborting, []
         self.waiting = [r for r in self.waiting if id(r) not in ending]
         self.running = [r for r in self.running if id(r) not in ending]
+        if self.grammars:
+            self.grammars.discard(ending)
         if self.chunked_req is not None and id(self.chunked_req) in ending:
             self.chunked_req = None
         for req in aborting:
@@ -412,6 +451,7 @@ class Scheduler:
             last_heartbeat=self.last_heartbeat, num_retractions=self.num_retractions,
             num_sessions=len(self.sessions), device=str(self.res.device),
             dtype=str(self.res.dtype).removeprefix("torch."), paused=self.paused,
+            num_grammar_reqs=len(self.grammars or ()),
         )  # fmt: skip
 
     def check_idle_invariant(self) -> None:
@@ -435,6 +475,17 @@ class Scheduler:
         self.tree.reset()
         self.allocator.clear()
         return True
+
+
+def _grammar_finish(req: Req, token: int, reason: FinishReason | None) -> FinishReason | None:
+    """Advance the request's grammar by `token`: a grammar that takes nothing more ends the
+    request with "stop" (unless it ends anyway); a token the grammar refuses is a 500."""
+    error = req.grammar.accept(token)
+    if error is not None:
+        return internal_error(f"the sampled token broke the grammar: {error}")
+    if reason is None and req.grammar.is_terminated:
+        return FinishReason(type="stop", matched=None)
+    return reason
 
 
 def _abort_reason(cause: str) -> FinishReason:

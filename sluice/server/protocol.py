@@ -11,6 +11,7 @@ defaults apply to the rest.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -74,6 +75,41 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's `response_format`; a schema at `response_format.schema` is tolerated."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must follow, as JSON text; None for plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        schema = self.schema_ if schema is None else schema
+        if schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return json.dumps(schema)
+
+
+# grammar fields other servers take beside response_format: name -> SamplingParams field
+_GRAMMAR_ALIASES = {
+    "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",  # SGLang
+    "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf",  # vLLM
+}  # fmt: skip
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": ""}
+
+
 class SamplingRequest(_Lenient):
     """Fields common to /v1/chat/completions and /v1/completions."""
 
@@ -103,6 +139,49 @@ class SamplingRequest(_Lenient):
     timeout: float | None = Field(default=None, ge=0)
     # extension: continue a session ({id, rid, offset, replace, drop_previous_output})
     session_params: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # extensions: a grammar of SGLang's (json_schema, regex, ebnf) or vLLM's (guided_json,
+    # guided_regex, guided_grammar, guided_choice, structured_outputs) naming
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingRequest:
+        self.grammar()
+        return self
+
+    def grammar(self) -> dict[str, str]:
+        """The output's grammar as a SamplingParams field ({} or one of json_schema, regex,
+        ebnf -> text), from whichever API's field gives it; more than one is a ValueError."""
+        given: list[tuple[str, str, Any]] = []  # (request field, grammar kind, value)
+        if self.response_format is not None:
+            text = self.response_format.schema_text()
+            if text is not None:
+                given.append(("response_format", "json_schema", text))
+        for name, kind in _GRAMMAR_ALIASES.items():
+            if getattr(self, name) is not None:
+                given.append((name, kind, getattr(self, name)))
+        if self.guided_choice is not None:
+            given.append(("guided_choice", "ebnf", _choice_grammar(self.guided_choice)))
+        for key, value in (self.structured_outputs or {}).items():
+            if key not in _STRUCTURED_OUTPUTS:
+                raise ValueError(f"structured_outputs.{key} is not supported")
+            kind = _STRUCTURED_OUTPUTS[key] or "ebnf"
+            text = _choice_grammar(value) if key == "choice" else value
+            given.append((f"structured_outputs.{key}", kind, text))
+        if len(given) > 1:
+            names = " and ".join(name for name, _, _ in given)
+            raise ValueError(f"give one way of constraining the output, not {names}")
+        if not given:
+            return {}
+        _, kind, value = given[0]
+        return {kind: value if isinstance(value, str) else json.dumps(value)}
 
     @field_validator("logit_bias")
     @classmethod
@@ -136,6 +215,7 @@ class SamplingRequest(_Lenient):
             params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.logit_bias:
             params["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        params.update(self.grammar())
         return params
 
 
@@ -150,6 +230,13 @@ class ChatMessage(_Lenient):
         if isinstance(self.content, list):
             out["content"] = "\n".join(_part_text(p) for p in self.content)
         return out
+
+
+def _choice_grammar(choices: Any) -> str:
+    """A Lark grammar matching exactly one of `choices` (strings)."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("a choice of outputs must be a non-empty list of strings")
+    return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
 def _part_text(part: dict[str, Any]) -> str:

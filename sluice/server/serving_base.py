@@ -146,6 +146,20 @@ class OutputStream:
         if ready and item is not None:
             self._buffer.append(item)
 
+    def rejected(self) -> APIError | None:
+        """The error of a request refused before it produced anything (its first item is a
+        4xx abort, e.g. a grammar that does not compile), so a stream can still answer it with
+        that status instead of a 200 and an error event."""
+        if not self._buffer:
+            return None
+        reason = self._buffer[0]["meta_info"].get("finish_reason") or {}
+        if reason.get("type") == "abort" and 400 <= int(reason.get("status_code") or 0) < 499:
+            try:
+                finish_reason(self._buffer[0]["meta_info"])
+            except APIError as err:
+                return err
+        return None
+
     async def items(self, tick: float | None) -> AsyncIterator[dict[str, Any] | None]:
         """The items; None whenever `tick` seconds pass without one (never when tick is None)."""
         while self._buffer:
@@ -287,6 +301,9 @@ class OpenAIServingBase:
                 ):
                     await stream.aclose()
                     return Response(status_code=CLIENT_CLOSED)
+                rejected = stream.rejected()
+                if rejected is not None:
+                    raise rejected
                 return SSEResponse(self.sse_body(state, stream), on_close=stream.aclose)
             work = self.collect_response(state, stream)
             return await run_until_disconnect(raw_request, work)

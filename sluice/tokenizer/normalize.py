@@ -7,6 +7,7 @@ Item order: index = prompt_index * n + sample_index.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import uuid
@@ -209,6 +210,7 @@ def parse_sampling_params(params: dict[str, Any]) -> tuple[SamplingParams, int]:
         params["stop"] = [params["stop"]]
     if params.get("stop") is None:
         params.pop("stop", None)
+    check_grammar(params)
     try:
         if params.get("logit_bias"):
             params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
@@ -217,6 +219,28 @@ def parse_sampling_params(params: dict[str, Any]) -> tuple[SamplingParams, int]:
         raise RequestError(f"invalid sampling parameters: {e}", param=_error_param(e)) from e
     _check_ranges(sp)
     return sp, n
+
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
+
+def check_grammar(params: dict[str, Any]) -> None:
+    """At most one grammar; a JSON schema given as an object becomes its JSON text, and JSON
+    text must parse (the schema itself is checked when the scheduler compiles it)."""
+    given = [k for k in GRAMMAR_FIELDS if params.get(k) is not None]
+    if len(given) > 1:
+        raise RequestError(
+            f"give at most one of json_schema, regex and ebnf; got {' and '.join(given)}",
+            param=given[1],
+        )
+    schema = params.get("json_schema")
+    if isinstance(schema, dict | bool):
+        params["json_schema"] = json.dumps(schema)
+    elif isinstance(schema, str):
+        try:
+            json.loads(schema)
+        except ValueError as e:
+            raise RequestError(f"json_schema is not valid JSON: {e}", param="json_schema") from e
 
 
 def _error_param(e: Exception) -> str | None:

@@ -137,7 +137,7 @@ def running_server(
 def is_idle(state: dict[str, Any]) -> bool:
     return (
         state["num_running_reqs"] + state["num_waiting_reqs"] + state["num_req_states"]
-        + state["num_detokenizer_states"] == 0
+        + state["num_detokenizer_states"] + state.get("num_grammar_reqs", 0) == 0
     )  # fmt: skip
 
 

@@ -1,0 +1,240 @@
+"""Grammar-constrained decoding with llguidance: compile off the loop, queue, match.
+
+A request that carries a grammar (`json_schema`, `regex` or `ebnf` in its sampling params) gets a
+`GrammarMatcher` of its own before it may be scheduled:
+
+- compilation runs on a thread pool, never on the scheduler loop; its result is cached by
+  (kind, text), so the same grammar compiles once and a grammar that failed fails fast;
+- a request whose grammar is not compiled yet waits in this manager's queue, apart from the
+  waiting queue: it blocks nobody, and `poll` moves it on when its grammar is ready;
+- compiling is bounded in time: past `timeout` seconds the request ends with a 400 and the
+  grammar is remembered as failed (a grammar engine cannot be interrupted; the thread finishes
+  on its own and its result is dropped);
+- each step, `fill_masks` writes the allowed-token bitmask of every constrained row of a batch
+  in one call (llguidance's executor); the sampler applies them to the batch's logits in one
+  vectorized op (`model/sampler.py`).
+
+The matcher advances with each accepted token; when the grammar can take no further token it is
+stopped, and the request ends with "stop". An `ebnf` grammar is Lark (llguidance's dialect, which
+also embeds JSON schemas with `%json`) or GBNF (llama.cpp's), told apart by llguidance.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # the SamplingParams fields that carry one
+CACHE_SIZE = 256  # compiled grammars (and failures) kept, least recently used dropped first
+BITS = 32  # tokens per int32 word of a bitmask
+# JSON output may be laid out freely, but a run of whitespace is bounded: a model that keeps
+# picking spaces or newlines (small models do) cannot fill its whole budget with them. A schema
+# may override it in "x-guidance" (llguidance's JsonCompileOptions).
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,24}"}
+
+
+def grammar_key(params: Any) -> tuple[str, str] | None:
+    """(kind, text) of the grammar a request's sampling params ask for, or None."""
+    for kind in GRAMMAR_KINDS:
+        text = getattr(params, kind, None)
+        if text is not None:
+            return kind, text
+    return None
+
+
+@dataclass
+class Compiled:
+    """A compiled grammar: a matcher at its start state to copy, or why it failed."""
+
+    matcher: Any | None  # llguidance.LLMatcher
+    error: str | None = None
+
+
+class GrammarMatcher:
+    """One request's grammar state: what it allows next, advanced token by token."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> str | None:
+        """Advance by a sampled token; None, or what went wrong (the mask forbade it)."""
+        if self._m.consume_token(token) and not self._m.is_error():
+            return None
+        return self._m.get_error() or f"token {token} is not allowed by the grammar"
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar takes no further token (it matched in full and cannot go on)."""
+        return self._m.is_stopped()
+
+
+class GrammarManager:
+    """Owns compilation, the compiled-grammar cache and the queue of requests waiting for one.
+
+    `tokenizer` is the model's Hugging Face (fast) tokenizer; `vocab_size` the width of the
+    model's logits, which may exceed the tokenizer's vocabulary (padding rows stay disallowed).
+    """
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, timeout: float, num_threads: int = 1
+    ) -> None:
+        self.hf_tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        self.cache: OrderedDict[tuple[str, str], Future[Compiled]] = OrderedDict()
+        self.queue: list[tuple[Any, Future[Compiled], float]] = []  # (req, compiling, since)
+        self._lltok: Any = None
+        self._lltok_lock = threading.Lock()
+        self._executor: Any = None
+        self.num_words = (vocab_size + BITS - 1) // BITS
+
+    # ---- compilation --------------------------------------------------------------------
+
+    def compile(self, key: tuple[str, str]) -> Future[Compiled]:
+        """The cached compilation of `key`, started now when it is not cached."""
+        future = self.cache.get(key)
+        if future is None:
+            future = self.pool.submit(self._compile, key)
+            self.cache[key] = future
+            while len(self.cache) > CACHE_SIZE:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(key)
+        return future
+
+    def _compile(self, key: tuple[str, str]) -> Compiled:
+        """Runs on the pool. Grammar errors are results, never exceptions."""
+        import llguidance
+
+        kind, text = key
+        start = time.perf_counter()
+        try:
+            tok = self._tokenizer()
+            grammar = _llguidance_grammar(kind, text)
+            error = llguidance.LLMatcher.validate_grammar(grammar, tok)
+            if error:
+                return Compiled(None, _grammar_error(kind, error))
+            matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+            if not matcher.is_error():
+                matcher.compute_bitmask()  # the lazy part of the build, here rather than in a step
+            if matcher.is_error():
+                return Compiled(None, _grammar_error(kind, matcher.get_error()))
+        except Exception as e:  # llguidance raises ValueError on some inputs; all are the grammar's
+            return Compiled(None, _grammar_error(kind, f"{type(e).__name__}: {e}"))
+        logger.debug("compiled a %s grammar in %.1f ms", kind, 1e3 * (time.perf_counter() - start))
+        return Compiled(matcher)
+
+    def _tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, built once (about a second) on first use."""
+        with self._lltok_lock:
+            if self._lltok is None:
+                import llguidance.hf
+
+                self._lltok = llguidance.hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocab_size
+                )
+            return self._lltok
+
+    def fail(self, key: tuple[str, str], error: str) -> None:
+        """Remember `key` as failed, so the next request with it fails at once."""
+        done: Future[Compiled] = Future()
+        done.set_result(Compiled(None, error))
+        self.cache[key] = done
+
+    # ---- the queue ----------------------------------------------------------------------
+
+    def add(self, req: Any, key: tuple[str, str], now: float) -> str | None:
+        """Give `req` its matcher now when its grammar is compiled (None: ready), else queue
+        it ("queued"); or the error of a grammar known to fail."""
+        future = self.compile(key)
+        if not future.done():
+            self.queue.append((req, future, now))
+            return "queued"
+        return self._attach(req, future.result())
+
+    def poll(self, now: float) -> tuple[list[Any], list[tuple[Any, str]]]:
+        """The queued requests whose grammar is now ready (matcher attached), and those whose
+        grammar failed or timed out, with the error; both leave the queue."""
+        ready: list[Any] = []
+        failed: list[tuple[Any, str]] = []
+        still = []
+        for req, future, since in self.queue:
+            if future.done():
+                error = self._attach(req, future.result())
+            elif now - since > self.timeout:
+                error = f"compiling the grammar took longer than {self.timeout:g} s"
+                self.fail(_req_key(req), error)
+            else:
+                still.append((req, future, since))
+                continue
+            (ready.append(req) if error is None else failed.append((req, error)))
+        self.queue = still
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` seconds for one queued compilation to finish (when nothing
+        else can run)."""
+        from concurrent.futures import FIRST_COMPLETED
+        from concurrent.futures import wait as wait_futures
+
+        if self.queue:
+            wait_futures({f for _, f, _ in self.queue}, timeout, FIRST_COMPLETED)
+
+    def discard(self, reqs: set[int]) -> None:
+        """Drop queued requests (by id()) that are being aborted."""
+        self.queue = [entry for entry in self.queue if id(entry[0]) not in reqs]
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def _attach(self, req: Any, compiled: Compiled) -> str | None:
+        if compiled.matcher is None:
+            return compiled.error
+        req.grammar = GrammarMatcher(compiled.matcher.deep_copy())
+        return None
+
+    # ---- masks --------------------------------------------------------------------------
+
+    def fill_masks(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """The allowed-token bitmask [G, ceil(V / 32)] int32 of each matcher's next token."""
+        import llguidance
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(1)
+        masks = torch.empty((len(matchers), self.num_words), dtype=torch.int32)
+        pairs = [(m._m, i) for i, m in enumerate(matchers)]
+        self._executor.unsafe_compute_mask_ptr(
+            pairs, masks.data_ptr(), self.num_words * 4, len(pairs)
+        )
+        return masks
+
+
+def _llguidance_grammar(kind: str, text: str) -> str:
+    import llguidance
+
+    if kind == "json_schema":
+        json.loads(text)  # a JSONDecodeError (a ValueError) names the position
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    return llguidance.grammar_from("ebnf", text)
+
+
+def _grammar_error(kind: str, error: str) -> str:
+    error = " ".join(error.split())
+    return f"the {kind} grammar could not be compiled: {error[:500]}"
+
+
+def _req_key(req: Any) -> tuple[str, str]:
+    key = grammar_key(req.params)
+    assert key is not None
+    return key

@@ -1,0 +1,257 @@
+"""Grammar-constrained decoding in the scheduler (llguidance), on the tiny random-weight llama.
+
+Unconstrained, that model emits noise, so an output that follows a schema, a regex or a Lark
+grammar is there because the mask put it there. Every request here either finishes with "stop"
+and validates, or ends with "length" (a string the noise never closes); enough of them stop for
+the check to mean something.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from sluice.engine import Engine
+from sluice.messages import AbortReq
+from tests.scheduler.conftest import MakeEngine, RawDriver
+from tests.scheduler.test_retraction import set_new_token_ratio
+
+CORPUS = json.loads((Path(__file__).parents[1] / "data" / "grammar_corpus.json").read_text())
+MAX_NEW = 256
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine: MakeEngine, tiny_llama_dir: str) -> Engine:
+    return make_engine(tiny_llama_dir, max_total_tokens=32768, max_running_requests=64)
+
+
+def _prompt(engine: Engine) -> list[int]:
+    return engine.tokenizer.encode("Answer in the format asked for:")
+
+
+def _generate(engine: Engine, grammars: list[dict[str, Any]], **params: Any) -> list[dict]:
+    base = {"max_new_tokens": MAX_NEW, "temperature": 1.0, **params}
+    prompts = [_prompt(engine)] * len(grammars)
+    return engine.generate(
+        input_ids=prompts,
+        sampling_params=[{**base, "seed": i, **g} for i, g in enumerate(grammars)],
+    )
+
+
+def _finish(out: dict) -> str:
+    return out["meta_info"]["finish_reason"]["type"]
+
+
+def test_unconstrained_output_is_noise(engine: Engine) -> None:
+    outs = _generate(engine, [{}] * 8, max_new_tokens=32)
+    for out in outs:
+        with pytest.raises(ValueError):
+            json.loads(out["text"])
+
+
+def test_every_schema_of_the_corpus_is_followed(engine: Engine) -> None:
+    schemas = CORPUS["json_schemas"]
+    assert len(schemas) >= 30
+    outs = _generate(engine, [{"json_schema": json.dumps(s["schema"])} for s in schemas])
+    num_stopped = 0
+    for entry, out in zip(schemas, outs, strict=True):
+        if _finish(out) == "length":
+            continue
+        assert _finish(out) == "stop", (entry["name"], out["meta_info"]["finish_reason"])
+        jsonschema.validate(json.loads(out["text"]), entry["schema"])
+        num_stopped += 1
+    assert num_stopped >= len(schemas) // 2, f"only {num_stopped} of {len(schemas)} finished"
+
+
+def test_every_regex_of_the_corpus_is_matched(engine: Engine) -> None:
+    regexes = CORPUS["regexes"]
+    outs = _generate(engine, [{"regex": r["regex"]} for r in regexes])
+    stopped = [(r, o) for r, o in zip(regexes, outs, strict=True) if _finish(o) == "stop"]
+    assert len(stopped) >= len(regexes) // 2
+    for entry, out in stopped:
+        assert re.fullmatch(entry["regex"], out["text"]), (entry["name"], out["text"])
+
+
+def test_lark_grammars_of_the_corpus_end_in_their_language(engine: Engine) -> None:
+    import llguidance
+    import llguidance.hf
+
+    lltok = llguidance.hf.from_tokenizer(engine.tokenizer, n_vocab=engine.model_config.vocab_size)
+    grammars = CORPUS["lark"]
+    outs = _generate(engine, [{"ebnf": g["grammar"]} for g in grammars])
+    assert sum(_finish(o) == "stop" for o in outs) >= len(grammars) // 2
+    for entry, out in zip(grammars, outs, strict=True):
+        if _finish(out) != "stop":
+            continue
+        checker = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", entry["grammar"]))
+        ids = out["output_ids"]
+        if ids and ids[-1] == engine.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        assert checker.consume_tokens(ids) and checker.is_accepting(), entry["name"]
+
+
+def test_choice_terminates_with_stop_and_grammar_beats_min_tokens(engine: Engine) -> None:
+    outs = _generate(engine, [{"regex": "(yes|no)"}] * 4, min_new_tokens=5)
+    for out in outs:
+        assert out["text"] in ("yes", "no")
+        assert _finish(out) == "stop"
+
+
+def test_greedy_and_seeded_constrained_outputs_do_not_depend_on_the_batch(engine: Engine) -> None:
+    schema = {"json_schema": json.dumps(CORPUS["json_schemas"][0]["schema"])}
+    mixed = [schema, {}, {"regex": "[a-z]{3,9}"}, schema, {}]
+    alone = [
+        engine.generate(
+            input_ids=_prompt(engine), sampling_params={**p, "seed": 3, "max_new_tokens": 48}
+        )
+        for p in (schema, {"regex": "[a-z]{3,9}"})
+    ]
+    batch = engine.generate(
+        input_ids=[_prompt(engine)] * len(mixed),
+        sampling_params=[{**p, "seed": 3, "max_new_tokens": 48} for p in mixed],
+    )
+    assert batch[0]["output_ids"] == batch[3]["output_ids"] == alone[0]["output_ids"]
+    assert batch[2]["output_ids"] == alone[1]["output_ids"]
+
+
+def test_stop_strings_and_logprobs_with_a_grammar(engine: Engine) -> None:
+    out = engine.generate(
+        input_ids=_prompt(engine),
+        sampling_params={"regex": "ab(c)+", "stop": ["cc"], "max_new_tokens": 32, "temperature": 0},
+        return_logprob=True,
+        top_logprobs_num=3,
+    )
+    assert out["text"].startswith("ab") and _finish(out) == "stop"
+    meta = out["meta_info"]
+    # logprobs are of the raw logits, before the mask: the constrained pick need not be the
+    # most likely token of the raw distribution
+    lps, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(lps) == len(tops) == len(out["output_ids"])
+    # each top list is [token_ids, logprobs] of the raw distribution
+    below_top = [lp < top[1][0] for lp, top in zip(lps, tops, strict=True)]
+    assert any(below_top), "the grammar should have overruled the raw argmax at least once"
+    assert all(lp <= top[1][0] for lp, top in zip(lps, tops, strict=True))
+
+
+def test_grammar_requests_survive_retraction(
+    engine: Engine, make_engine: MakeEngine, tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retracted and re-admitted, a constrained request goes on from where its grammar was:
+    seeded, it ends with exactly the tokens it gets in a pool large enough for all."""
+    small = make_engine(tiny_llama_dir, max_total_tokens=600, max_running_requests=16)
+    set_new_token_ratio(small.scheduler, 0.05, monkeypatch)
+    grammars = [{"regex": "[0-9]{100}"}] * 12  # a digit is a token: 100 tokens each
+    outs = _generate(small, grammars, max_new_tokens=120)
+    assert small.scheduler.num_retractions > 0
+    expected = _generate(engine, grammars, max_new_tokens=120)
+    for out, ref in zip(outs, expected, strict=True):
+        assert out["output_ids"] == ref["output_ids"]
+        assert re.fullmatch(grammars[0]["regex"], out["text"])
+
+
+def test_bad_grammars_are_400_and_fail_fast_the_second_time(engine: Engine) -> None:
+    bad = [
+        {"json_schema": '{"type": "objectx"}'},
+        {"regex": "(("},
+        {"ebnf": "start: undefined_rule"},
+    ]
+    for _ in range(2):
+        for out, grammar in zip(_generate(engine, bad, max_new_tokens=8), bad, strict=True):
+            reason = out["meta_info"]["finish_reason"]
+            assert reason["status_code"] == 400 and reason["code"] == "invalid_grammar", reason
+            assert next(iter(grammar)) in reason["message"]
+
+
+def test_conflicting_grammars_are_refused(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="at most one of json_schema, regex and ebnf"):
+        engine.generate("x", {"regex": "a", "ebnf": 'start: "a"'})
+    with pytest.raises(ValueError, match="json_schema is not valid JSON"):
+        engine.generate("x", {"json_schema": "{not json"})
+
+
+class _BlockedPool:
+    """Holds the grammar pool's only thread until released: compilations queue behind it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.grammars = engine.scheduler.grammars
+
+        def hold() -> None:
+            self.started.set()
+            self.release.wait(60)
+
+        self.grammars.pool.submit(hold)
+        assert self.started.wait(10)
+
+    def __enter__(self) -> _BlockedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+
+
+def test_a_compiling_request_waits_apart_and_can_be_aborted(engine: Engine) -> None:
+    driver = RawDriver(engine)
+    sched = engine.scheduler
+    schema = json.dumps({"type": "object", "properties": {"never_seen_before": {"type": "null"}}})
+    with _BlockedPool(engine):
+        driver.add("compiling", _prompt(engine), json_schema=schema, max_new_tokens=8)
+        driver.add("plain", _prompt(engine), max_new_tokens=4)
+        for _ in range(10):
+            driver.step()
+        # the request without a grammar ran to its end past the one still compiling
+        assert driver.results["plain"].finish is not None
+        assert driver.results["compiling"].finish is None
+        assert sched.internal_state().num_grammar_reqs == 1
+        driver.abort("compiling")
+        driver.step()
+    assert driver.results["compiling"].finish.status_code == 499
+    assert sched.internal_state().num_grammar_reqs == 0
+    assert not sched.has_work()
+
+
+def test_compile_timeout_is_400_and_remembered(
+    make_engine: MakeEngine, tiny_llama_dir: str
+) -> None:
+    quick = make_engine(tiny_llama_dir, max_total_tokens=2048, grammar_compile_timeout=0.05)
+    driver = RawDriver(quick)
+    regex = "(slow|grammar)[0-9]{2}"
+    with _BlockedPool(quick):
+        driver.add("slow", _prompt(quick), regex=regex, max_new_tokens=8)
+        driver.run()
+    reason = driver.results["slow"].finish
+    assert reason.status_code == 400 and "took longer than 0.05 s" in reason.message
+    # the pool is free now, yet the same grammar fails at once, without compiling again
+    driver.add("again", _prompt(quick), regex=regex, max_new_tokens=8)
+    assert not quick.scheduler.grammars.queue
+    driver.run()
+    assert "took longer than" in driver.results["again"].finish.message
+
+
+def test_no_grammar_backend_refuses_grammars(make_engine: MakeEngine, tiny_llama_dir: str) -> None:
+    plain = make_engine(tiny_llama_dir, max_total_tokens=2048, grammar_backend="none")
+    out = plain.generate(
+        input_ids=_prompt(plain), sampling_params={"regex": "a+", "max_new_tokens": 4}
+    )
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["status_code"] == 400 and "--grammar-backend none" in reason["message"]
+
+
+def test_abort_all_reaches_compiling_requests(engine: Engine) -> None:
+    driver = RawDriver(engine)
+    with _BlockedPool(engine):
+        for i in range(3):
+            driver.add(f"c{i}", _prompt(engine), regex=f"(held|{i})+", max_new_tokens=4)
+        driver.step()
+        engine.scheduler.abort(AbortReq(abort_all=True))
+        driver.step()
+    assert all(
+        r.finish is not None and r.finish.status_code == 499 for r in driver.results.values()
+    )

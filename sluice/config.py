@@ -111,6 +111,19 @@ class ServerArgs:
         "grammar fails at once afterwards",
         above=0,
     )
+    tool_call_parser: str = _opt(
+        "auto",
+        "format of the chat model's tool calls (auto: the one its chat template teaches; "
+        "templates without tools get a prompt asking for hermes-style <tool_call> blocks)",
+        choices=["auto", "hermes", "llama3", "mistral"],
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "split the chat model's <think>...</think> reasoning into reasoning_content "
+        "(deepseek-r1: the template opens it; qwen3: the model does, unless enable_thinking "
+        "is false)",
+        choices=[None, "deepseek-r1", "qwen3"],
+    )
 
     # serving
     host: str = _opt("127.0.0.1", "address to listen on")
@@ -178,6 +191,8 @@ def build_parser(prog: str = "sluice serve") -> argparse.ArgumentParser:
             text = f"{text} (default: {f.default})"
         kind = {"int": int, "float": float}.get(str(f.type), str)
         choices = f.metadata.get("choices")
+        if choices is not None:  # None (unset) is a default, not something to type
+            choices = [c for c in choices if c is not None]
         parser.add_argument(flag, type=kind, default=f.default, help=text, choices=choices)
     return parser
 

@@ -62,6 +62,9 @@ class TokenizedGenerateReqInput(msgspec.Struct, omit_defaults=True):
     timeout: float = 0.0
     # address of the TokenizerManager that owns this request (multi-worker routing)
     reply_to: str = ""
+    # the grammar (if any) applies only after this token is generated (the end of a model's
+    # reasoning, e.g. `</think>`); -1: from the first token
+    grammar_after_id: int = -1
 
 
 class BatchTokenizedGenerateReqInput(msgspec.Struct):

@@ -147,7 +147,7 @@ def _sample_and_append(
         reqs, logits = [reqs[i] for i in keep], logits[keep]
         if not reqs:
             return
-    grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    grammar_rows = [i for i, r in enumerate(reqs) if r.is_constrained]
     masks = (
         sched.grammars.fill_masks([reqs[i].grammar for i in grammar_rows]) if grammar_rows else None
     )

@@ -41,6 +41,7 @@ class Req:
         timeout: float = 0.0,
         pooled: str | None = None,
         label_token_ids: list[int] | None = None,
+        grammar_after_id: int = -1,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
@@ -61,8 +62,10 @@ class Req:
         self.pooled = pooled
         self.label_token_ids = label_token_ids
         self.pooled_result = b""  # little-endian float32, set when a pooled request succeeds
-        # the grammar state of a constrained request (scheduler/grammar.py), None otherwise
+        # the grammar state of a constrained request (scheduler/grammar.py), None otherwise;
+        # it constrains nothing until `grammar_after_id` was generated (-1: from the start)
         self.grammar: GrammarMatcher | None = None
+        self.grammar_after_id = grammar_after_id
 
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None
@@ -99,6 +102,11 @@ class Req:
     @property
     def is_finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def is_constrained(self) -> bool:
+        """The next token is masked by the grammar (one is set and no reasoning precedes)."""
+        return self.grammar is not None and self.grammar_after_id < 0
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -176,7 +176,7 @@ class Scheduler:
             msg.rid, list(input_ids), p, seed, stop_ids,
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, reply_to=msg.reply_to,
-            timeout=msg.timeout,
+            timeout=msg.timeout, grammar_after_id=msg.grammar_after_id,
         )  # fmt: skip
 
     def _validate(self, req: Req) -> str | None:
@@ -328,8 +328,10 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         reason = self.finish_checker.check(req)
-        if req.grammar is not None:
+        if req.is_constrained:
             reason = _grammar_finish(req, token, reason)
+        elif token == req.grammar_after_id:  # the reasoning ended: the grammar starts now
+            req.grammar_after_id = -1
         self.touched.append(req)
         if reason is not None:
             self.finish(req, reason)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice import __version__
+from sluice.server.chat_output import resolve_tool_parser
 from sluice.server.errors import APIError, as_api_error, error_response, install_error_handlers
 from sluice.server.logprobs import TokenText
 from sluice.server.metrics import METRICS_CONTENT_TYPE, RequestCountMiddleware, ServerMetrics
@@ -93,6 +94,11 @@ def create_app(
         token_text=TokenText(tokenizer_manager.tokenizer),
         keepalive_interval=keepalive_interval,
         other_models=[e.model_name for e in embedders or []],
+        tool_parser=resolve_tool_parser(
+            getattr(server_args, "tool_call_parser", "auto"),
+            getattr(tokenizer_manager.tokenizer, "chat_template", None),
+        ),
+        reasoning_parser=getattr(server_args, "reasoning_parser", None),
     )
     app.state.ctx = ctx
     app.state.server_args = server_args

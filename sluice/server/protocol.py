@@ -248,13 +248,36 @@ def _part_text(part: dict[str, Any]) -> str:
     raise ValueError(f"unsupported content part {kind!r}: expected {{'type': 'text', 'text': ...}}")
 
 
+class FunctionDef(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: NumTopLogprobs | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
@@ -264,7 +287,38 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice == "required" and not self.tools:
             raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names the function {self.tool_choice.function.name!r}, which "
+                    f"is not among the tools ({', '.join(names) or 'none given'})"
+                )
+        if self.uses_tools and self.grammar():
+            raise ValueError(
+                "constraining the output (response_format json_schema / json_object, or a "
+                "grammar) together with tools is not supported; use tool_choice 'none' or drop "
+                "one of them"
+            )
         return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered to the model (given, and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function tool_choice names, or "" for "required" (any), None when not forced."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them, None when none are offered."""
+        if not self.uses_tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     def max_new_tokens(self) -> int | None:
         """max_tokens and max_completion_tokens are synonyms; the smaller one wins."""

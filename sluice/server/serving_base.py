@@ -46,6 +46,8 @@ class ServingContext:
     token_text: TokenText
     keepalive_interval: float = 5.0
     other_models: list[str] = field(default_factory=list)  # encoder models: no generation
+    tool_parser: str = "hermes"  # the family of tool calls the chat model writes
+    reasoning_parser: str | None = None  # `<think>` format of the chat model's reasoning, if any
 
     def check_model(self, model: str | None) -> None:
         if model and model in self.other_models:

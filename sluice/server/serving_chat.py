@@ -1,22 +1,37 @@
 """POST /v1/chat/completions: ChatCompletionRequest → GenerateReqInput, and back to OpenAI.
 
 Streaming shape per choice: a role chunk (`{"role": "assistant", "content": ""}`), content
-chunks, then one chunk with an empty delta and the finish_reason; `finish_reason` is null on
-every other chunk.
+chunks (and reasoning and tool-call chunks, `chat_output.py`), then one chunk with an empty
+delta and the finish_reason; `finish_reason` is null on every other chunk, and "tool_calls"
+when the choice called tools.
+
+Tools: the chat template renders them (or sluice's fallback prompt, for templates that do not);
+`tool_choice` "required" or a named function is enforced by a grammar of the model family's
+call format (`tool_grammar.py`), "auto" is the model's choice. With a reasoning parser, a
+grammar applies from the end of the reasoning on.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sluice.server.chat_output import ChatParsers
 from sluice.server.errors import APIError
 from sluice.server.logprobs import chat_logprobs
 from sluice.server.protocol import ChatCompletionRequest
 from sluice.server.serving_base import OpenAIServingBase, ResponseState, finish_reason, new_rid
 from sluice.server.sse import sse_data
+from sluice.server.tool_grammar import forced_call_grammar
 from sluice.tokenizer.generate_input import GenerateReqInput
 
 CHUNK = "chat.completion.chunk"
+
+
+class _NoCalls:
+    has_tool_calls = False
+
+
+_NO_CALLS = _NoCalls()
 
 
 class OpenAIServingChat(OpenAIServingBase):
@@ -28,7 +43,7 @@ class OpenAIServingChat(OpenAIServingBase):
             messages = req.template_messages()
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error", "messages") from None
-        tools = None if req.tool_choice == "none" else req.tools
+        tools = req.tool_dicts()
         text = self.tm.apply_chat_template(
             messages,
             tools=tools,
@@ -37,9 +52,19 @@ class OpenAIServingChat(OpenAIServingBase):
         )
         # the template already holds the special tokens (BOS, role markers): add none again
         input_ids = await self.tm.tokenize(text, add_special_tokens=False)
+        parsers = self._parsers(req)
+        params = req.sampling_params()
+        if req.forced_tool is not None:
+            params["ebnf"] = forced_call_grammar(
+                self.ctx.tool_parser, tools or [], req.forced_tool,
+                req.parallel_tool_calls is not False, self._special_id,
+            )  # fmt: skip
+        if parsers.tools is not None and self.ctx.tool_parser in ("llama3", "mistral"):
+            params.setdefault("skip_special_tokens", False)  # their call markers are special
         return GenerateReqInput(
             input_ids=input_ids,
-            sampling_params=req.sampling_params(),
+            sampling_params=params,
+            grammar_after_id=self._grammar_after(parsers, params),
             rid=req.rid or new_rid(),
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
@@ -48,9 +73,38 @@ class OpenAIServingChat(OpenAIServingBase):
             session_params=req.session_params,
         )
 
+    def _parsers(self, req: ChatCompletionRequest) -> ChatParsers:
+        return ChatParsers.for_request(
+            self.ctx.reasoning_parser, self.ctx.tool_parser, req.uses_tools,
+            req.chat_template_kwargs,
+        )  # fmt: skip
+
+    def _special_id(self, text: str) -> int | None:
+        """The id of `text` when it is one added (special) token of the tokenizer."""
+        return self.tm.tokenizer.get_added_vocab().get(text)
+
+    def _grammar_after(self, parsers: ChatParsers, params: dict[str, Any]) -> int:
+        """With reasoning and a grammar, the token that ends the reasoning; else -1."""
+        if parsers.reasoning is None or not any(
+            k in params for k in ("json_schema", "regex", "ebnf")
+        ):
+            return -1
+        end = self._special_id(parsers.reasoning.end)
+        if end is None:
+            raise APIError(
+                400, f"this tokenizer has no single token {parsers.reasoning.end!r} that ends the "
+                "reasoning, so the output cannot be constrained after it",
+                "invalid_request_error", "response_format",
+            )  # fmt: skip
+        return end
+
     def new_state(self, req: ChatCompletionRequest, obj: GenerateReqInput) -> ResponseState:
         state = super().new_state(req, obj)
         state.extra["logprobs"] = req.logprobs
+        parsers = self._parsers(req)
+        state.extra["parsers"] = parsers
+        state.extra["plain"] = parsers.reasoning is None and parsers.tools is None
+        state.extra["streams"] = {}  # index -> ChoiceStream
         return state
 
     def _logprobs(self, meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
@@ -68,13 +122,28 @@ class OpenAIServingChat(OpenAIServingBase):
         if state.extra["logprobs"] and item.get("new_logprob_count"):
             num_seen = len(meta.get("output_token_logprobs") or []) - item["new_logprob_count"]
             logprobs = self._logprobs(meta, num_seen)
-        if item["delta"] or logprobs is not None:
-            frames.append(self._chunk(state, index, {"content": item["delta"]}, logprobs=logprobs))
         reason = finish_reason(meta)
+        deltas = self._deltas(state, index, item["delta"], reason is not None)
+        if logprobs is not None and not deltas:
+            deltas = [{"content": ""}]
+        for i, delta in enumerate(deltas):
+            frames.append(self._chunk(state, index, delta, logprobs=logprobs if i == 0 else None))
         if reason is not None:
             matched = meta["finish_reason"].get("matched")
+            if reason == "stop" and state.extra["streams"].get(index, _NO_CALLS).has_tool_calls:
+                reason = "tool_calls"
             frames.append(self._chunk(state, index, {}, reason=reason, matched=matched))
         return frames
+
+    def _deltas(self, state: ResponseState, index: int, text: str, final: bool) -> list[dict]:
+        """The OpenAI deltas of a text delta: as content, or through the choice's parsers."""
+        if state.extra["plain"]:
+            return [{"content": text}] if text else []
+        stream = state.extra["streams"].get(index)
+        if stream is None:
+            stream = state.extra["streams"][index] = state.extra["parsers"].stream()
+        deltas = stream.feed(text) if text else []
+        return deltas + stream.finish() if final else deltas
 
     def _chunk(
         self,
@@ -114,9 +183,12 @@ class OpenAIServingChat(OpenAIServingBase):
     def _choice(self, state: ResponseState, item: dict[str, Any]) -> dict[str, Any]:
         meta = item["meta_info"]
         reason = finish_reason(meta)
+        message, has_calls = state.extra["parsers"].message(item["text"])
+        if reason == "stop" and has_calls:
+            reason = "tool_calls"
         return {
             "index": item["index"],
-            "message": {"role": "assistant", "content": item["text"]},
+            "message": message,
             "logprobs": self._logprobs(meta) if state.extra["logprobs"] else None,
             "finish_reason": reason,
             "matched_stop": (meta.get("finish_reason") or {}).get("matched"),

@@ -25,6 +25,7 @@ class GenerateReqInput:
     stream: bool = False
     session_params: dict[str, Any] | None = None
     timeout: float = 0.0  # seconds, 0: none
+    grammar_after_id: int = -1  # see messages.TokenizedGenerateReqInput
 
     @property
     def is_single(self) -> bool:

@@ -246,6 +246,7 @@ class TokenizerManager:
                     return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=obj.stream,
                     session_params=session, timeout=obj.timeout, reply_to=self._reply_to,
+                    grammar_after_id=obj.grammar_after_id,
                 )
             )  # fmt: skip
         return reqs

@@ -17,9 +17,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from sluice.engine import Engine
-from sluice.messages import AbortReq
-from tests.scheduler.conftest import MakeEngine, RawDriver
+from sluice.engine import Engine, parse_sampling_params
+from sluice.messages import AbortReq, TokenizedGenerateReqInput
+from tests.scheduler.conftest import MakeEngine, RawDriver, RawResult
 from tests.scheduler.test_retraction import set_new_token_ratio
 
 CORPUS = json.loads((Path(__file__).parents[1] / "data" / "grammar_corpus.json").read_text())
@@ -255,3 +255,27 @@ def test_abort_all_reaches_compiling_requests(engine: Engine) -> None:
     assert all(
         r.finish is not None and r.finish.status_code == 499 for r in driver.results.values()
     )
+
+
+def test_grammar_starts_after_the_reasoning_ends(engine: Engine) -> None:
+    """With `grammar_after_id`, tokens up to that one (the reasoning) are free and the grammar
+    constrains what follows it. A strong bias makes the end token the first one sampled."""
+    end = engine.tokenizer.encode("</think>")[-1]
+    params = {"regex": "(yes|no)", "max_new_tokens": 12, "temperature": 1.0, "seed": 1,
+              "logit_bias": {end: 100.0}}  # fmt: skip
+    driver = RawDriver(engine)
+    for rid in ("reasoning", "plain"):
+        driver.results[rid] = RawResult()
+        engine.scheduler.add_request(
+            TokenizedGenerateReqInput(
+                rid=rid, input_ids=_prompt(engine), sampling_params=parse_sampling_params(params),
+                grammar_after_id=end if rid == "reasoning" else -1,
+            )
+        )  # fmt: skip
+    driver.run()
+    reasoning, plain = driver.results["reasoning"], driver.results["plain"]
+    assert reasoning.output_ids[0] == end  # free before the end token: the bias won
+    assert engine.tokenizer.decode(reasoning.output_ids[1:]) in ("yes", "no")
+    assert reasoning.finish.type == "stop"
+    assert end not in plain.output_ids  # the grammar held from the start: the bias lost
+    assert engine.tokenizer.decode(plain.output_ids) in ("yes", "no")

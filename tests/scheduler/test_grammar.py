@@ -175,13 +175,14 @@ def test_conflicting_grammars_are_refused(engine: Engine) -> None:
         engine.generate("x", {"json_schema": "{not json"})
 
 
-class _BlockedPool:
+class BlockedPool:
     """Holds the grammar pool's only thread until released: compilations queue behind it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, target: Engine | Any) -> None:
+        """`target`: an Engine, or a scheduler's GrammarManager."""
         self.release = threading.Event()
         self.started = threading.Event()
-        self.grammars = engine.scheduler.grammars
+        self.grammars = target.scheduler.grammars if isinstance(target, Engine) else target
 
         def hold() -> None:
             self.started.set()
@@ -190,7 +191,7 @@ class _BlockedPool:
         self.grammars.pool.submit(hold)
         assert self.started.wait(10)
 
-    def __enter__(self) -> _BlockedPool:
+    def __enter__(self) -> BlockedPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -201,7 +202,7 @@ def test_a_compiling_request_waits_apart_and_can_be_aborted(engine: Engine) -> N
     driver = RawDriver(engine)
     sched = engine.scheduler
     schema = json.dumps({"type": "object", "properties": {"never_seen_before": {"type": "null"}}})
-    with _BlockedPool(engine):
+    with BlockedPool(engine):
         driver.add("compiling", _prompt(engine), json_schema=schema, max_new_tokens=8)
         driver.add("plain", _prompt(engine), max_new_tokens=4)
         for _ in range(10):
@@ -223,7 +224,7 @@ def test_compile_timeout_is_400_and_remembered(
     quick = make_engine(tiny_llama_dir, max_total_tokens=2048, grammar_compile_timeout=0.05)
     driver = RawDriver(quick)
     regex = "(slow|grammar)[0-9]{2}"
-    with _BlockedPool(quick):
+    with BlockedPool(quick):
         driver.add("slow", _prompt(quick), regex=regex, max_new_tokens=8)
         driver.run()
     reason = driver.results["slow"].finish
@@ -246,7 +247,7 @@ def test_no_grammar_backend_refuses_grammars(make_engine: MakeEngine, tiny_llama
 
 def test_abort_all_reaches_compiling_requests(engine: Engine) -> None:
     driver = RawDriver(engine)
-    with _BlockedPool(engine):
+    with BlockedPool(engine):
         for i in range(3):
             driver.add(f"c{i}", _prompt(engine), regex=f"(held|{i})+", max_new_tokens=4)
         driver.step()

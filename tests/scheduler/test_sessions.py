@@ -29,6 +29,7 @@ from sluice.scheduler.radix_cache import RadixCache
 from sluice.scheduler.req import Req
 from sluice.scheduler.sessions import SessionError, SessionManager
 from tests.scheduler.conftest import MakeEngine, RawDriver, RawResult
+from tests.scheduler.test_grammar import BlockedPool
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 6}
 
@@ -41,6 +42,9 @@ def _ids(n: int) -> list[int]:
 class SessionDriver(RawDriver):
     def open(self, sid: str, timeout: float = 0.0) -> bool:
         return self.sched.open_session(OpenSessionReq(sid, timeout)).success
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sched.finish_checker.tokenizer.decode(ids)
 
     def close(self, sid: str) -> None:
         self.sched.close_session(CloseSessionReq(sid))
@@ -58,6 +62,13 @@ class SessionDriver(RawDriver):
 
     def run_turn(self, rid: str, ids: list[int], session: SessionParams | None) -> RawResult:
         self.turn(rid, ids, session)
+        self.run()
+        return self.results[rid]
+
+    def run_turn_with(
+        self, rid: str, ids: list[int], session: SessionParams | None, **params: Any
+    ) -> RawResult:
+        self.turn(rid, ids, session, **{**GREEDY, "ignore_eos": False, **params})
         self.run()
         return self.results[rid]
 
@@ -318,3 +329,31 @@ def test_manager_strips_bos_of_a_continuation_only() -> None:
     with pytest.raises(SessionError, match="not open"):
         mgr.plan(_session("x"), "r2", [1])
     assert len(mgr) == 1 and mgr.close("s") and len(mgr) == 0
+
+
+# ---- turns with a grammar -------------------------------------------------------------------
+
+
+def test_session_turns_with_grammars(drv: SessionDriver) -> None:
+    """A turn's grammar constrains that turn's output only; a turn refused for its grammar or
+    aborted while it compiles leaves the session as it was."""
+    assert drv.open("constrained")
+    a, b = _ids(10), _ids(6)
+    r1 = drv.run_turn_with("g1", a, _session("constrained"), regex="[0-9]{5}", max_new_tokens=8)
+    assert drv.decode(r1.output_ids).isdigit() and r1.finish.type == "stop"
+    bad = drv.run_turn_with("g2", b, _session("constrained"), regex="((", max_new_tokens=4)
+    _assert_error(bad, "invalid_grammar", "regex")
+    r3 = drv.run_turn_with("g3", b, _session("constrained"), regex="(yes|no)", max_new_tokens=4)
+    assert drv.built["g3"] == a + r1.output_ids + b  # the refused turn left no trace
+    assert drv.decode(r3.output_ids) in ("yes", "no")
+    with BlockedPool(drv.sched.grammars):  # a turn that is still compiling, then aborted
+        drv.turn("g4", b, _session("constrained"), regex="(held|back)", max_new_tokens=4)
+        drv.step()
+        assert drv.sched.internal_state().num_grammar_reqs == 1
+        drv.abort("g4")
+        drv.run()
+    assert drv.results["g4"].finish.status_code == 499
+    r5 = drv.run_turn_with("g5", b, _session("constrained"), max_new_tokens=3)
+    assert drv.built["g5"] == a + r1.output_ids + b + r3.output_ids + b
+    assert len(r5.output_ids) == 3
+    drv.close("constrained")

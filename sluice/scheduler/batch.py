@@ -1,15 +1,22 @@
-"""Turn a list of admitted requests into one forward pass, and its results back into tokens.
+"""One scheduler step as data: a plan in (`StepPlan`), the model's result out (`StepOutput`).
+
+- `plan_prefill` / `plan_decode` (scheduler side, no model): the requests of the step, the new
+  KV slots written into their `req_to_token` rows, the `ForwardBatch`, which logits rows are
+  computed, and which requests reach a token to sample (`last`) or prompt logprobs to give.
+- `execute(runner, plan)` (model side, no scheduler): one forward, then on tensors for the whole
+  batch: the finite check, sampling with the plan's grammar masks, logprobs, pooled vectors;
+  it returns plain lists and changes no request.
+- The scheduler applies the output to its requests (`Scheduler._apply_step`).
 
 Per step the Python work is one pass over the requests to gather ids, lengths and slots; all
-per-token work (attention metadata, sampling, logprobs, pooling) is done on tensors for the
-whole batch. Pooled requests (prefill only) finish in the step that computes their last prompt
-token, with the vector pooled from that step's tensors; the hidden states are only asked of the
-model when an embedding request is in the batch.
+per-token work is done on tensors for the whole batch. Pooled requests (prefill only) finish in
+the step that computes their last prompt token, with the vector pooled from that step's tensors;
+the hidden states are only asked of the model when an embedding request is in the batch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,30 +24,57 @@ import torch.nn.functional as F
 from sluice.aborts import internal_error
 from sluice.messages import FinishReason, TopLogprobs
 from sluice.model.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
+from sluice.model.runner import ModelRunner
 from sluice.model.sampler import SamplingBatchInfo, TopK, sample, token_logprobs
 from sluice.scheduler.req import EMBED, SCORE, Req
-
-if TYPE_CHECKING:
-    from sluice.scheduler.scheduler import Scheduler
-
 
 NON_FINITE = internal_error("the model produced non-finite logits for this request")
 
 
-def run_prefill(sched: Scheduler, reqs: list[Req]) -> None:
-    """Compute `req.extend_len` tokens of each request from `kv_committed_len` on; sample the
-    first output token of requests whose whole prompt is now in the pool."""
-    r2t = sched.req_pool.req_to_token
-    slots = sched.alloc_slots(sum(r.extend_len for r in reqs))
+@dataclass
+class StepPlan:
+    """What one forward computes. `last[i]` has its logits at row `last_rows[i]`: its prompt is
+    complete after this step (prefill) or it decodes; `spans` are the prompt-logprob ranges
+    (req, first logits row, first position). `grammar_masks` [G, ceil(V / 32)] are those of the
+    requests of `last` that a grammar constrains now, in order."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    forward: ForwardBatch
+    slots: torch.Tensor
+    new_lens: list[int]  # tokens each request of `reqs` computes
+    last: list[Req]
+    last_rows: list[int]
+    spans: list[tuple[Req, int, int]] = field(default_factory=list)
+    grammar_masks: torch.Tensor | None = None
+
+
+@dataclass
+class StepOutput:
+    """Per request of the plan's `last`: its sampled token (None: not sampled), its error (the
+    logits were not finite), its logprobs and pooled vector; per span, the prompt logprobs."""
+
+    tokens: list[int | None]
+    errors: list[FinishReason | None]
+    logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None]
+    pooled: list[bytes | None]
+    input_logprobs: list[tuple[Req, list[float | None], list[TopLogprobs | None]]]
+
+
+def plan_prefill(
+    reqs: list[Req], req_to_token: torch.Tensor, slots: torch.Tensor, device
+) -> StepPlan:
+    """Compute `req.extend_len` tokens of each request from `kv_committed_len` on."""
     input_ids: list[int] = []
     logits_rows: list[int] = []  # rows of the flat token batch whose logits are computed
-    spans: list[tuple[Req, int, int]] = []  # input logprobs: (req, first logits row, position)
-    sample_reqs: list[Req] = []
-    sample_rows: list[int] = []  # index into logits_rows of each sampled request's last token
+    spans: list[tuple[Req, int, int]] = []
+    last: list[Req] = []
+    last_rows: list[int] = []  # index into logits_rows of each request's last token
     offset = 0
     for req in reqs:
         start, end = req.kv_committed_len, req.kv_committed_len + req.extend_len
-        r2t[req.req_pool_idx, start:end] = slots[offset : offset + req.extend_len]
+        req_to_token[req.req_pool_idx, start:end] = slots[offset : offset + req.extend_len]
         input_ids.extend(req.fill_ids[start:end])
         if req.wants_input_logprobs:
             first = max(start, req.logprob_start_len - 1, 0)
@@ -48,109 +82,113 @@ def run_prefill(sched: Scheduler, reqs: list[Req]) -> None:
                 spans.append((req, len(logits_rows), first))
                 logits_rows.extend(range(offset + first - start, offset + end - start))
         if end == req.seq_len and not req.is_chunked:
-            last = offset + req.extend_len - 1
-            if not logits_rows or logits_rows[-1] != last:
-                logits_rows.append(last)
-            sample_rows.append(len(logits_rows) - 1)
-            sample_reqs.append(req)
+            row = offset + req.extend_len - 1
+            if not logits_rows or logits_rows[-1] != row:
+                logits_rows.append(row)
+            last_rows.append(len(logits_rows) - 1)
+            last.append(req)
         offset += req.extend_len
+    new_lens = [r.extend_len for r in reqs]
     fb = ForwardBatch.build(
-        ForwardMode.EXTEND, input_ids, [r.kv_committed_len for r in reqs],
-        [r.extend_len for r in reqs], slots, r2t, [r.req_pool_idx for r in reqs], logits_rows,
-        sched.runner.device,
+        ForwardMode.EXTEND, input_ids, [r.kv_committed_len for r in reqs], new_lens, slots,
+        req_to_token, [r.req_pool_idx for r in reqs], logits_rows, device,
     )  # fmt: skip
-    out = _forward(sched, fb, slots, with_hidden=any(r.pooled == EMBED for r in sample_reqs))
-    for req in reqs:
-        req.kv_committed_len += req.extend_len
-    if spans:
-        _input_logprobs(out.logits, spans)
-    if sample_reqs:
-        hidden = None if out.hidden is None else out.hidden[sample_rows]
-        _sample_and_append(sched, sample_reqs, out.logits[sample_rows], hidden)
+    return StepPlan(ForwardMode.EXTEND, reqs, fb, slots, new_lens, last, last_rows, spans)
 
 
-def run_decode(sched: Scheduler, reqs: list[Req]) -> None:
-    r2t = sched.req_pool.req_to_token
-    slots = sched.alloc_slots(len(reqs))
+def plan_decode(
+    reqs: list[Req], req_to_token: torch.Tensor, slots: torch.Tensor, device
+) -> StepPlan:
     rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
     cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
-    r2t[rows, cols] = slots
+    req_to_token[rows, cols] = slots
+    ones = [1] * len(reqs)
     fb = ForwardBatch.build(
-        ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], cols.tolist(), [1] * len(reqs),
-        slots, r2t, rows.tolist(), list(range(len(reqs))), sched.runner.device,
+        ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], cols.tolist(), ones, slots,
+        req_to_token, rows.tolist(), list(range(len(reqs))), device,
     )  # fmt: skip
-    logits = _forward(sched, fb, slots).logits
-    for req in reqs:
-        req.kv_committed_len += 1
-    _sample_and_append(sched, reqs, logits)
+    return StepPlan(ForwardMode.DECODE, reqs, fb, slots, ones, list(reqs), list(range(len(reqs))))
 
 
-def _forward(
-    sched: Scheduler, fb: ForwardBatch, slots: torch.Tensor, with_hidden: bool = False
-) -> ForwardOutput:
-    """Run the model; on failure give this step's slots back (nobody has committed them)."""
-    try:
-        if with_hidden:
-            return sched.runner.forward_output(fb)
-        return ForwardOutput(sched.runner.forward(fb), None)
-    except Exception:
-        sched.allocator.free(slots)
-        raise
+def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
+    """Run the plan's forward and turn its logits into tokens, logprobs and vectors."""
+    with_hidden = any(r.pooled == EMBED for r in plan.last)
+    if with_hidden:
+        out = runner.forward_output(plan.forward)
+    else:
+        out = ForwardOutput(runner.forward(plan.forward), None)
+    input_lps = _input_logprobs(out.logits, plan.spans, plan.reqs, plan.new_lens)
+    n = len(plan.last)
+    result = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n, input_lps)
+    if not plan.last:
+        return result
+    logits = out.logits[plan.last_rows]  # [L, vocab]
+    hidden = None if out.hidden is None else out.hidden[plan.last_rows]
+    # a row's sum is finite iff all its logits are (finite logits never add up to inf): one
+    # reduction instead of an elementwise test over [L, vocab]
+    finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+    pooled = [i for i, r in enumerate(plan.last) if r.pooled is not None]
+    if pooled:
+        _pool(plan.last, pooled, logits, hidden, result)
+    sampled = sampled_rows(plan)
+    for i in sampled:
+        if not finite[i]:
+            result.errors[i] = NON_FINITE
+    if any(finite[i] for i in sampled):
+        _sample(plan, sampled, [i for i in sampled if finite[i]], logits, result)
+    return result
 
 
-def _input_logprobs(logits: torch.Tensor, spans: list[tuple[Req, int, int]]) -> None:
+def sampled_rows(plan: StepPlan) -> list[int]:
+    """The requests of plan.last (by index) that sample a token: generation requests with
+    tokens to go (a prompt-only or pooled request finishes without one)."""
+    return [i for i, r in enumerate(plan.last) if r.pooled is None and r.max_new_tokens > 0]
+
+
+def constrained_reqs(plan: StepPlan) -> list[Req]:
+    """The sampling requests whose grammar masks the plan must carry, in order."""
+    return [plan.last[i] for i in sampled_rows(plan) if plan.last[i].is_constrained]
+
+
+def _input_logprobs(
+    logits: torch.Tensor, spans: list[tuple[Req, int, int]], reqs: list[Req], new_lens: list[int]
+) -> list[tuple[Req, list[float | None], list[TopLogprobs | None]]]:
     """The logits at position q give the logprob of prompt token q + 1; prompt token 0 has
     none (None when the request starts its logprobs at 0)."""
+    out = []
+    committed = {id(r): r.kv_committed_len + n for r, n in zip(reqs, new_lens, strict=True)}
     for req, first_row, first_pos in spans:
+        lps: list[float | None] = []
+        tops: list[TopLogprobs | None] = []
         prompt_len = len(req.origin_input_ids)
-        num = min(req.kv_committed_len, prompt_len - 1) - first_pos
+        num = min(committed[id(req)], prompt_len - 1) - first_pos
         if req.logprob_start_len == 0 and first_pos == 0:
-            req.input_token_logprobs.append(None)
-            req.input_top_logprobs.append(None)
-        if num <= 0:
-            continue
-        ids = req.origin_input_ids[first_pos + 1 : first_pos + 1 + num]
-        targets = torch.tensor(ids, device=logits.device)
-        lps, top = token_logprobs(
-            logits[first_row : first_row + num], targets, req.top_logprobs_num
-        )
-        req.input_token_logprobs.extend(lps.tolist())
-        req.input_top_logprobs.extend(_top_list(top, num) or [None] * num)
+            lps.append(None)
+            tops.append(None)
+        if num > 0:
+            ids = req.origin_input_ids[first_pos + 1 : first_pos + 1 + num]
+            targets = torch.tensor(ids, device=logits.device)
+            values, top = token_logprobs(
+                logits[first_row : first_row + num], targets, req.top_logprobs_num
+            )
+            lps.extend(values.tolist())
+            tops.extend(_top_list(top, num) or [None] * num)
+        out.append((req, lps, tops))
+    return out
 
 
-def _sample_and_append(
-    sched: Scheduler, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor | None = None
+def _sample(
+    plan: StepPlan, sampled: list[int], rows: list[int], logits: torch.Tensor, result: StepOutput
 ) -> None:
-    """Sample one token per request. Prompt-only requests (max_new_tokens 0, e.g. echo for
-    prompt logprobs) finish without sampling, pooled ones with their vector; a request whose
-    logits are not finite (NaN/inf) ends alone with a 500 while the rest of the batch goes on.
-    `hidden` [B, hidden] is given when an embedding request is among `reqs`."""
-    pooled = [i for i, r in enumerate(reqs) if r.pooled is not None]
-    if pooled:
-        _finish_pooled(sched, [reqs[i] for i in pooled], logits[pooled], hidden, pooled)
-    # a row's sum is finite iff all its logits are (finite logits never add up to inf): one
-    # reduction instead of an elementwise test over [B, vocab]
-    finite = torch.isfinite(logits.sum(dim=-1)).tolist()
-    keep = []
-    for i, req in enumerate(reqs):
-        if req.pooled is not None:
-            continue
-        if req.max_new_tokens == 0:
-            sched.touched.append(req)
-            sched.finish(req, FinishReason(type="length"))
-        elif not finite[i]:
-            sched.touched.append(req)
-            sched.finish(req, NON_FINITE)
-        else:
-            keep.append(i)
-    if len(keep) < len(reqs):
-        reqs, logits = [reqs[i] for i in keep], logits[keep]
-        if not reqs:
-            return
-    grammar_rows = [i for i, r in enumerate(reqs) if r.is_constrained]
-    masks = (
-        sched.grammars.fill_masks([reqs[i].grammar for i in grammar_rows]) if grammar_rows else None
-    )
+    """Sample one token for each of the `rows` of plan.last (those of `sampled` with finite
+    logits); grammar-constrained ones get their mask (plan.grammar_masks follow `sampled`)."""
+    reqs = [plan.last[i] for i in rows]
+    grammar_rows = [j for j, r in enumerate(reqs) if r.is_constrained]
+    masks = plan.grammar_masks
+    if masks is not None and len(rows) < len(sampled):  # drop the masks of non-finite rows
+        keep = set(rows)
+        constrained = [i for i in sampled if plan.last[i].is_constrained]
+        masks = masks[[k for k, i in enumerate(constrained) if i in keep]]
     info = SamplingBatchInfo.build(
         [r.params for r in reqs], [r.seed for r in reqs],
         [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
@@ -159,63 +197,59 @@ def _sample_and_append(
     )  # fmt: skip
     max_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
     want_lp = any(r.return_logprob for r in reqs)
-    out = sample(logits, info, max_top, need_logprobs=want_lp)
+    out = sample(logits[rows] if len(rows) < len(plan.last) else logits, info, max_top, want_lp)
     tokens = out.next_token_ids.tolist()
     lps = out.logprobs.tolist() if want_lp else None
     tops = _top_list(out.top_logprobs, len(reqs)) if want_lp and max_top else None
-    for i, req in enumerate(reqs):
+    for j, (i, req) in enumerate(zip(rows, reqs, strict=True)):
+        result.tokens[i] = tokens[j]
         if req.return_logprob:
-            req.output_token_logprobs.append(lps[i])
-            if tops is not None and req.top_logprobs_num:
-                t = tops[i]
-                n = req.top_logprobs_num
-                req.output_top_logprobs.append(TopLogprobs(t.token_ids[:n], t.logprobs[:n]))
-            else:
-                req.output_top_logprobs.append(TopLogprobs([], []))
-        sched.on_token(req, tokens[i])
+            result.logprobs[i] = lps[j]
+            k = req.top_logprobs_num
+            top = tops[j] if tops is not None and k else None
+            result.top_logprobs[i] = (
+                TopLogprobs(top.token_ids[:k], top.logprobs[:k]) if top else TopLogprobs([], [])
+            )
 
 
-def _finish_pooled(
-    sched: Scheduler,
-    reqs: list[Req],
+def _pool(
+    last: list[Req],
+    rows: list[int],
     logits: torch.Tensor,
     hidden: torch.Tensor | None,
-    rows: list[int],
+    result: StepOutput,
 ) -> None:
-    """Finish pooled requests: one normalize over the embedding rows, one log_softmax over the
-    score rows. logits [P, vocab] are theirs; `rows` index their rows in `hidden` [B, hidden]."""
-    embed = [i for i, r in enumerate(reqs) if r.pooled == EMBED]
-    score = [i for i, r in enumerate(reqs) if r.pooled == SCORE]
+    """Vectors of pooled requests: one normalize over the embedding rows, one log_softmax over
+    the score rows; a non-finite vector is an error (a 500)."""
+    embed = [i for i in rows if last[i].pooled == EMBED]
+    score = [i for i in rows if last[i].pooled == SCORE]
     if embed:
         assert hidden is not None, "an embedding request needs the hidden states"
-        vecs = F.normalize(hidden[[rows[i] for i in embed]].float(), dim=-1)  # [E, hidden]
-        _store_pooled(sched, [reqs[i] for i in embed], vecs, [vecs.shape[1]] * len(embed))
+        vecs = F.normalize(hidden[embed].float(), dim=-1)  # [E, hidden]
+        _store_pooled(embed, vecs, [vecs.shape[1]] * len(embed), result)
     if score:
-        scored = [reqs[i] for i in score]
-        labels = [r.label_token_ids or [] for r in scored]
+        labels = [last[i].label_token_ids or [] for i in score]
         width = max(len(x) for x in labels)
         index = torch.tensor([x + [0] * (width - len(x)) for x in labels], dtype=torch.int64)
         lps = torch.log_softmax(logits[score].float(), dim=-1)  # [S, vocab]
         picked = lps.gather(1, index.to(lps.device))  # [S, width], padded with token 0
-        _store_pooled(sched, scored, picked, [len(x) for x in labels])
+        _store_pooled(score, picked, [len(x) for x in labels], result)
 
 
-def _store_pooled(sched: Scheduler, reqs: list[Req], vecs: torch.Tensor, lens: list[int]) -> None:
-    """Row i of vecs [P, width] holds request i's vector in its first lens[i] columns; a
-    non-finite vector ends its request with a 500."""
+def _store_pooled(rows: list[int], vecs: torch.Tensor, lens: list[int], result: StepOutput) -> None:
+    """Row j of vecs [P, width] holds the vector of request rows[j] in its first lens[j]
+    columns."""
     pad = (
         torch.arange(vecs.shape[1], device=vecs.device)[None, :]
         >= torch.tensor(lens, device=vecs.device)[:, None]
     )
     finite = (torch.isfinite(vecs) | pad).all(dim=-1).tolist()
     arr = vecs.cpu().numpy().astype("<f4")
-    for req, row, n, ok in zip(reqs, arr, lens, finite, strict=True):
-        sched.touched.append(req)
-        if not ok:
-            sched.finish(req, NON_FINITE)
-            continue
-        req.pooled_result = row[:n].tobytes()
-        sched.finish(req, FinishReason(type="length"))
+    for i, vec, n, ok in zip(rows, arr, lens, finite, strict=True):
+        if ok:
+            result.pooled[i] = vec[:n].tobytes()
+        else:
+            result.errors[i] = NON_FINITE
 
 
 def _top_list(top: TopK | None, n: int) -> list[TopLogprobs] | None:

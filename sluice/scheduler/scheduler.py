@@ -40,7 +40,14 @@ from sluice.messages import (
 )
 from sluice.model.model_config import ModelConfig
 from sluice.model.runner import ModelRunner
-from sluice.scheduler.batch import run_decode, run_prefill
+from sluice.scheduler.batch import (
+    StepOutput,
+    StepPlan,
+    constrained_reqs,
+    execute,
+    plan_decode,
+    plan_prefill,
+)
 from sluice.scheduler.finish import FinishChecker
 from sluice.scheduler.grammar import GrammarManager, grammar_key
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -60,10 +67,18 @@ GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle step waits for a compilatio
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, tokenizer: Any, res: Resources) -> None:
+    def __init__(
+        self,
+        args: ServerArgs,
+        cfg: ModelConfig,
+        tokenizer: Any,
+        res: Resources,
+        runner: ModelRunner | None = None,
+    ) -> None:
+        """`runner`: the model (default: loaded from `cfg` as `res` says)."""
         self.args, self.cfg, self.res = args, cfg, res
         self.context_len = res.context_len
-        self.runner = ModelRunner(cfg, res.device, res.dtype, res.max_total_tokens)
+        self.runner = runner or ModelRunner(cfg, res.device, res.dtype, res.max_total_tokens)
         self.allocator = TokenToKVPoolAllocator(res.max_total_tokens)
         self.req_pool = ReqToTokenPool(res.max_running_requests, self.context_len + 1)
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
@@ -287,7 +302,7 @@ class Scheduler:
         admitted = {id(r) for r in adder.can_run}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         self._ensure_free(sum(r.extend_len for r in adder.can_run))
-        self._run_guarded(run_prefill, adder.can_run)
+        self._run_step(adder.can_run, prefill=True)
         self.num_forward_steps += 1
         self.chunked_req = None
         for req in adder.can_run:
@@ -302,17 +317,29 @@ class Scheduler:
 
     def _step_decode(self) -> None:
         self._make_room_for_decode()
-        self._run_guarded(run_decode, self.running)
+        self._run_step(self.running, prefill=False)
         self.num_forward_steps += 1
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(
             NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
 
-    def _run_guarded(self, run, reqs: list[Req]) -> None:
-        """A failing forward ends the requests of that batch with a 500, never the process."""
+    def _run_step(self, reqs: list[Req], prefill: bool) -> None:
+        """Plan, run and apply one forward (batch.py). A failing one ends the requests of that
+        batch with a 500, never the process; its new slots go back (nobody committed them)."""
         try:
-            run(self, reqs)
+            slots = self.alloc_slots(sum(r.extend_len for r in reqs) if prefill else len(reqs))
+            try:
+                r2t, device = self.req_pool.req_to_token, self.runner.device
+                plan = (plan_prefill if prefill else plan_decode)(reqs, r2t, slots, device)
+                constrained = constrained_reqs(plan)
+                if constrained:
+                    plan.grammar_masks = self.grammars.fill_masks([r.grammar for r in constrained])
+                out = execute(self.runner, plan)
+            except Exception:
+                self.allocator.free(slots)
+                raise
+            self._apply_step(plan, out)
         except Exception as exc:
             logger.exception("forward failed; aborting the %d requests of the batch", len(reqs))
             reason = internal_error(f"internal error: {type(exc).__name__}: {exc}")
@@ -321,7 +348,28 @@ class Scheduler:
                     self.touched.append(req)
                     self.finish(req, reason)
 
-    # ---- per-request results (called by batch.run_*) --------------------------------------
+    # ---- per-request results ------------------------------------------------------------
+
+    def _apply_step(self, plan: StepPlan, out: StepOutput) -> None:
+        """The step's KV is committed; each request of `plan.last` gets its token, vector or
+        error, and finishes when it is done."""
+        for req, num in zip(plan.reqs, plan.new_lens, strict=True):
+            req.kv_committed_len += num
+        for req, lps, tops in out.input_logprobs:
+            req.input_token_logprobs.extend(lps)
+            req.input_top_logprobs.extend(tops)
+        for i, req in enumerate(plan.last):
+            error = out.errors[i]
+            if error is None and req.max_new_tokens > 0 and req.pooled is None:
+                if req.return_logprob:
+                    req.output_token_logprobs.append(out.logprobs[i])
+                    req.output_top_logprobs.append(out.top_logprobs[i])
+                self.on_token(req, out.tokens[i])
+                continue
+            if error is None and req.pooled is not None:
+                req.pooled_result = out.pooled[i]
+            self.touched.append(req)
+            self.finish(req, error or FinishReason(type="length"))
 
     def on_token(self, req: Req, token: int) -> None:
         req.output_ids.append(token)

@@ -79,3 +79,15 @@ def _save(model: torch.nn.Module, dir: str | Path, tokenizer_dir: str | None) ->
     ).save_pretrained(str(out))
     copy_tokenizer(tokenizer_dir or prepare_hf_dir(default_model_path()), out)
     return str(out)
+
+
+def add_special_tokens(dir: str | Path, tokens: list[str]) -> dict[str, int]:
+    """Add `tokens` as additional special tokens to the tokenizer saved in `dir` (new ids after
+    its vocabulary; the model's vocab_size must leave room), and return their ids as saved."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(dir))
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok.save_pretrained(str(dir))
+    added = AutoTokenizer.from_pretrained(str(dir)).get_added_vocab()
+    return {t: added[t] for t in tokens}

@@ -59,8 +59,10 @@ class OpenAIServingChat(OpenAIServingBase):
                 self.ctx.tool_parser, tools or [], req.forced_tool,
                 req.parallel_tool_calls is not False, self._special_id,
             )  # fmt: skip
-        if parsers.tools is not None and self.ctx.tool_parser in ("llama3", "mistral"):
-            params.setdefault("skip_special_tokens", False)  # their call markers are special
+        if parsers.reasoning is not None or (
+            parsers.tools is not None and self.ctx.tool_parser in ("llama3", "mistral")
+        ):  # the parsers read markers that may be special tokens (`</think>`, `[TOOL_CALLS]`)
+            params.setdefault("skip_special_tokens", False)
         return GenerateReqInput(
             input_ids=input_ids,
             sampling_params=params,

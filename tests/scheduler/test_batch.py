@@ -1,0 +1,68 @@
+"""The step seam without a scheduler or a model: a plan built from requests, executed on a fake
+runner whose logits the test chooses, gives tokens, errors and vectors, and changes no request."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sluice.messages import SamplingParams
+from sluice.scheduler.batch import NON_FINITE, execute, plan_decode, plan_prefill
+from sluice.scheduler.req import SCORE, Req
+
+VOCAB = 16
+
+
+class FakeRunner:
+    """Returns the logits it is given, one row per logits row of the forward batch."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self.calls = 0
+
+    def forward(self, fb) -> torch.Tensor:
+        self.calls += 1
+        assert len(fb.logits_index) == self.logits.shape[0]
+        return self.logits
+
+
+def _req(rid: str, prompt: list[int], row: int, **params) -> Req:
+    req = Req(rid, prompt, SamplingParams(temperature=0.0, **params), 0, frozenset())
+    req.req_pool_idx = row
+    return req
+
+
+def test_decode_plan_executes_to_argmax_tokens_and_a_non_finite_error() -> None:
+    reqs = [_req("a", [1, 2], 0, max_new_tokens=4), _req("b", [3], 1, max_new_tokens=4)]
+    for req in reqs:
+        req.output_ids = [5]
+        req.kv_committed_len = req.seq_len - 1
+    r2t = torch.zeros(2, 8, dtype=torch.int64)
+    plan = plan_decode(reqs, r2t, torch.tensor([7, 8]), FakeRunner.device)
+    assert r2t[0, 2] == 7 and r2t[1, 1] == 8  # the new slots are in the requests' rows
+    logits = torch.zeros(2, VOCAB)
+    logits[0, 9] = 5.0
+    logits[1, 3] = float("nan")
+    out = execute(FakeRunner(logits), plan)
+    assert out.tokens == [9, None] and out.errors == [None, NON_FINITE]
+    assert [r.kv_committed_len for r in reqs] == [2, 1]  # applying the output is the caller's
+
+
+def test_prefill_plan_pools_a_score_request_and_leaves_prompt_only_unsampled() -> None:
+    score = _req("s", [1, 2, 3], 0, max_new_tokens=0)
+    score.pooled, score.label_token_ids = SCORE, [4, 6]
+    prompt_only = _req("p", [5, 6], 1, max_new_tokens=0)
+    reqs = [score, prompt_only]
+    for req in reqs:
+        req.extend_len = req.seq_len
+    plan = plan_prefill(
+        reqs, torch.zeros(2, 8, dtype=torch.int64), torch.arange(1, 6), FakeRunner.device
+    )
+    assert plan.last == reqs and plan.new_lens == [3, 2]
+    logits = torch.randn(2, VOCAB)
+    out = execute(FakeRunner(logits), plan)
+    expected = torch.log_softmax(logits[0], dim=-1)[[4, 6]].numpy()
+    assert np.allclose(np.frombuffer(out.pooled[0], dtype="<f4"), expected, atol=1e-6)
+    assert out.tokens == [None, None] and out.errors == [None, None]

@@ -63,8 +63,11 @@ class TokenizedGenerateReqInput(msgspec.Struct, omit_defaults=True):
     # address of the TokenizerManager that owns this request (multi-worker routing)
     reply_to: str = ""
     # the grammar (if any) applies only after this token is generated (the end of a model's
-    # reasoning, e.g. `</think>`); -1: from the first token
+    # reasoning, e.g. `</think>`), and the stop tokens are blocked until then; -1: from the
+    # first token. With `reasoning_start_id` (e.g. `<think>`) the reasoning is optional: a first
+    # token other than that one means there is none, and the grammar applies from it on
     grammar_after_id: int = -1
+    reasoning_start_id: int = -1
 
 
 class BatchTokenizedGenerateReqInput(msgspec.Struct):

@@ -6,7 +6,7 @@
 1. logit processors on a copy of the logits (only when some request has one): repetition penalty
    (HF: divide positive / multiply negative logits of tokens seen in prompt or output), then the
    additive terms (logit_bias minus OpenAI frequency/presence penalties over output tokens), then
-   -inf on tokens blocked until `min_new_tokens` is reached, then -inf on the tokens a request's
+   -inf on the blocked tokens (stop ids below `min_new_tokens`), then -inf on the tokens a request's
    grammar does not allow (a grammar wins over `min_new_tokens`: a row that the two together
    leave with no token keeps the grammar's mask alone);
 2. greedy rows (temperature 0 or top_k 1) take the argmax of the processed logits;
@@ -95,13 +95,15 @@ class SamplingBatchInfo:
         seeds: list[int],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
-        min_new_blocked_ids: list[list[int]],
+        blocked_ids: list[list[int]],
         vocab_size: int,
         device: torch.device | str = "cpu",
         grammar_rows: list[int] | None = None,
         grammar_masks: torch.Tensor | None = None,
     ) -> SamplingBatchInfo:
-        """`grammar_masks` [G, ceil(V / 32)] are the bitmasks of the rows `grammar_rows`."""
+        """`blocked_ids[i]`: tokens row i may not pick now (the stop ids, below min_new_tokens
+        or while a grammar waits for the end of the reasoning); `grammar_masks` [G, ceil(V / 32)]
+        are the bitmasks of the rows `grammar_rows`."""
         rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         sp = [params[i] for i in rows]
         top_ks = [_top_k(p, vocab_size) for p in sp]
@@ -126,7 +128,7 @@ class SamplingBatchInfo:
             else None,
             repetition=_build_repetition(params, prompt_ids, output_ids, vocab_size, device),
             additive=_build_additive(params, output_ids, vocab_size, device),
-            blocked=_build_blocked(params, output_ids, min_new_blocked_ids, vocab_size, device),
+            blocked=_build_blocked(params, output_ids, blocked_ids, vocab_size, device),
             grammar_rows=torch.tensor(grammar_rows, **i64) if grammar_rows else None,
             grammar_masks=grammar_masks.to(device) if grammar_rows else None,
         )
@@ -223,9 +225,7 @@ def _build_additive(params, output_ids, vocab_size, device) -> SparseLogits | No
 
 
 def _build_blocked(params, output_ids, blocked_ids, vocab_size, device) -> SparseLogits | None:
-    rows = [
-        i for i, p in enumerate(params) if blocked_ids[i] and len(output_ids[i]) < p.min_new_tokens
-    ]
+    rows = [i for i in range(len(params)) if blocked_ids[i]]
     if not rows:
         return None
     keys = _flat_keys(rows, [blocked_ids[i] for i in rows], vocab_size, device)

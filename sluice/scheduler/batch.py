@@ -192,7 +192,7 @@ def _sample(
     info = SamplingBatchInfo.build(
         [r.params for r in reqs], [r.seed for r in reqs],
         [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
-        [list(r.stop_ids) if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs],
+        [list(r.stop_ids) if _blocks_stops(r) else [] for r in reqs],
         logits.shape[-1], logits.device, grammar_rows, masks,
     )  # fmt: skip
     max_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
@@ -257,3 +257,8 @@ def _top_list(top: TopK | None, n: int) -> list[TopLogprobs] | None:
         return None
     values, indices = top.values.tolist(), top.indices.tolist()
     return [TopLogprobs(indices[i], values[i]) for i in range(n)]
+
+
+def _blocks_stops(req: Req) -> bool:
+    """The request may not stop yet: below min_new_tokens, or reasoning before its grammar."""
+    return len(req.output_ids) < req.params.min_new_tokens or req.is_reasoning_first

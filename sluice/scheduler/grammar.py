@@ -7,9 +7,11 @@ A request that carries a grammar (`json_schema`, `regex` or `ebnf` in its sampli
   (kind, text), so the same grammar compiles once and a grammar that failed fails fast;
 - a request whose grammar is not compiled yet waits in this manager's queue, apart from the
   waiting queue: it blocks nobody, and `poll` moves it on when its grammar is ready;
-- compiling is bounded in time: past `timeout` seconds the request ends with a 400 and the
-  grammar is remembered as failed (a grammar engine cannot be interrupted; the thread finishes
-  on its own and its result is dropped);
+- compiling is bounded in time: a grammar whose own compilation runs past `timeout` seconds ends
+  its requests with a 400 and is remembered as failed (a grammar engine cannot be interrupted;
+  the thread finishes on its own and its result is dropped); time spent waiting for a free
+  thread does not count, and a compilation nobody waits for any more is cancelled if it has
+  not started;
 - each step, `fill_masks` writes the allowed-token bitmask of every constrained row of a batch
   in one call (llguidance's executor); the sampler applies them to the batch's logits in one
   vectorized op (`model/sampler.py`).
@@ -53,6 +55,14 @@ def grammar_key(params: Any) -> tuple[str, str] | None:
 
 
 @dataclass
+class _Job:
+    """One compilation: its future, and when the pool thread began it (None: not yet)."""
+
+    future: Future[Compiled]
+    started: float | None = None
+
+
+@dataclass
 class Compiled:
     """A compiled grammar: a matcher at its start state to copy, or why it failed."""
 
@@ -86,35 +96,40 @@ class GrammarManager:
     """
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, timeout: float, num_threads: int = 1
+        self, tokenizer: Any, vocab_size: int, timeout: float, num_threads: int = 2
     ) -> None:
         self.hf_tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
-        self.cache: OrderedDict[tuple[str, str], Future[Compiled]] = OrderedDict()
-        self.queue: list[tuple[Any, Future[Compiled], float]] = []  # (req, compiling, since)
+        self.cache: OrderedDict[tuple[str, str], _Job] = OrderedDict()
+        self.queue: list[tuple[Any, tuple[str, str], _Job]] = []  # (req, key, its compilation)
         self._lltok: Any = None
         self._lltok_lock = threading.Lock()
         self._executor: Any = None
         self.num_words = (vocab_size + BITS - 1) // BITS
+        # llguidance's tokenizer takes about half a second to build, holding the GIL: at
+        # start-up, off the loop, rather than when the first grammar arrives
+        threading.Thread(target=self._tokenizer, name="grammar-tokenizer", daemon=True).start()
 
     # ---- compilation --------------------------------------------------------------------
 
-    def compile(self, key: tuple[str, str]) -> Future[Compiled]:
+    def compile(self, key: tuple[str, str]) -> _Job:
         """The cached compilation of `key`, started now when it is not cached."""
-        future = self.cache.get(key)
-        if future is None:
-            future = self.pool.submit(self._compile, key)
-            self.cache[key] = future
+        job = self.cache.get(key)
+        if job is None:
+            job = _Job(Future())
+            job.future = self.pool.submit(self._compile, key, job)
+            self.cache[key] = job
             while len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(key)
-        return future
+        return job
 
-    def _compile(self, key: tuple[str, str]) -> Compiled:
+    def _compile(self, key: tuple[str, str], job: _Job) -> Compiled:
         """Runs on the pool. Grammar errors are results, never exceptions."""
         import llguidance
 
+        job.started = time.monotonic()
         kind, text = key
         start = time.perf_counter()
         try:
@@ -148,18 +163,18 @@ class GrammarManager:
         """Remember `key` as failed, so the next request with it fails at once."""
         done: Future[Compiled] = Future()
         done.set_result(Compiled(None, error))
-        self.cache[key] = done
+        self.cache[key] = _Job(done, time.monotonic())
 
     # ---- the queue ----------------------------------------------------------------------
 
     def add(self, req: Any, key: tuple[str, str], now: float) -> str | None:
         """Give `req` its matcher now when its grammar is compiled (None: ready), else queue
         it ("queued"); or the error of a grammar known to fail."""
-        future = self.compile(key)
-        if not future.done():
-            self.queue.append((req, future, now))
+        job = self.compile(key)
+        if not job.future.done():
+            self.queue.append((req, key, job))
             return "queued"
-        return self._attach(req, future.result())
+        return self._attach(req, job.future.result())
 
     def poll(self, now: float) -> tuple[list[Any], list[tuple[Any, str]]]:
         """The queued requests whose grammar is now ready (matcher attached), and those whose
@@ -167,14 +182,15 @@ class GrammarManager:
         ready: list[Any] = []
         failed: list[tuple[Any, str]] = []
         still = []
-        for req, future, since in self.queue:
-            if future.done():
-                error = self._attach(req, future.result())
-            elif now - since > self.timeout:
+        for req, key, job in self.queue:
+            if job.future.done():
+                error = self._attach(req, job.future.result())
+            elif job.started is not None and now - job.started > self.timeout:
                 error = f"compiling the grammar took longer than {self.timeout:g} s"
-                self.fail(_req_key(req), error)
+                if self.cache.get(key) is job:
+                    self.fail(key, error)
             else:
-                still.append((req, future, since))
+                still.append((req, key, job))
                 continue
             (ready.append(req) if error is None else failed.append((req, error)))
         self.queue = still
@@ -187,11 +203,19 @@ class GrammarManager:
         from concurrent.futures import wait as wait_futures
 
         if self.queue:
-            wait_futures({f for _, f, _ in self.queue}, timeout, FIRST_COMPLETED)
+            wait_futures({job.future for *_, job in self.queue}, timeout, FIRST_COMPLETED)
 
     def discard(self, reqs: set[int]) -> None:
-        """Drop queued requests (by id()) that are being aborted."""
+        """Drop queued requests (by id()) that are being aborted; a compilation none of the
+        remaining ones waits for is cancelled when it has not started (and then uncached)."""
+        dropped = [entry for entry in self.queue if id(entry[0]) in reqs]
+        if not dropped:
+            return
         self.queue = [entry for entry in self.queue if id(entry[0]) not in reqs]
+        waited = {id(job) for *_, job in self.queue}
+        for _, key, job in dropped:
+            if id(job) not in waited and job.future.cancel() and self.cache.get(key) is job:
+                del self.cache[key]
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -204,17 +228,22 @@ class GrammarManager:
 
     # ---- masks --------------------------------------------------------------------------
 
-    def fill_masks(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """The allowed-token bitmask [G, ceil(V / 32)] int32 of each matcher's next token."""
+    def fill_masks(self, reqs: list[Any]) -> torch.Tensor:
+        """The allowed-token bitmask [G, ceil(V / 32)] int32 of each request's next token: its
+        grammar's, plus the opening token of an optional reasoning on its first token."""
         import llguidance
 
         if self._executor is None:
             self._executor = llguidance.LLExecutor(1)
-        masks = torch.empty((len(matchers), self.num_words), dtype=torch.int32)
-        pairs = [(m._m, i) for i, m in enumerate(matchers)]
+        masks = torch.empty((len(reqs), self.num_words), dtype=torch.int32)
+        pairs = [(r.grammar._m, i) for i, r in enumerate(reqs)]
         self._executor.unsafe_compute_mask_ptr(
             pairs, masks.data_ptr(), self.num_words * 4, len(pairs)
         )
+        for i, req in enumerate(reqs):
+            if req.reasoning_start_id >= 0:
+                word, bit = divmod(req.reasoning_start_id, BITS)
+                masks[i, word] |= (1 << bit) - (1 << BITS if bit == BITS - 1 else 0)
         return masks
 
 
@@ -232,9 +261,3 @@ def _llguidance_grammar(kind: str, text: str) -> str:
 def _grammar_error(kind: str, error: str) -> str:
     error = " ".join(error.split())
     return f"the {kind} grammar could not be compiled: {error[:500]}"
-
-
-def _req_key(req: Any) -> tuple[str, str]:
-    key = grammar_key(req.params)
-    assert key is not None
-    return key

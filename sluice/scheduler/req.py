@@ -16,6 +16,7 @@ float32 bytes of its embedding or of its label-token logprobs.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ class Req:
         pooled: str | None = None,
         label_token_ids: list[int] | None = None,
         grammar_after_id: int = -1,
+        reasoning_start_id: int = -1,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
@@ -66,6 +68,9 @@ class Req:
         # it constrains nothing until `grammar_after_id` was generated (-1: from the start)
         self.grammar: GrammarMatcher | None = None
         self.grammar_after_id = grammar_after_id
+        self.reasoning_start_id = reasoning_start_id  # -1 once the first token is out
+        # a session turn (sessions.TurnPlan) that starts once this request's grammar compiled
+        self.pending_turn: Any = None
 
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None
@@ -105,8 +110,16 @@ class Req:
 
     @property
     def is_constrained(self) -> bool:
-        """The next token is masked by the grammar (one is set and no reasoning precedes)."""
-        return self.grammar is not None and self.grammar_after_id < 0
+        """The next token is masked by the grammar: no reasoning precedes it, or the reasoning
+        is optional and this is the first token (then its opening token is allowed too)."""
+        return self.grammar is not None and (
+            self.grammar_after_id < 0 or self.reasoning_start_id >= 0
+        )
+
+    @property
+    def is_reasoning_first(self) -> bool:
+        """A grammar waits for the end of the reasoning: the stop tokens are blocked."""
+        return self.grammar is not None and self.grammar_after_id >= 0 and not self.is_constrained
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -126,13 +126,18 @@ class Scheduler:
         grammar = self._grammar_status(req)
         if grammar not in (None, "queued"):
             return self._reject(req, grammar, "invalid_grammar")
-        if plan is not None:
-            replaced = abort(
-                409, "session_replaced", "a later turn of the session replaced this request"
-            )
-            for victim in self.sessions.start(plan, req, req.arrival_time):
-                self._mark_abort(victim, replaced)
+        if grammar == "queued":  # the turn starts (and replaces) once its grammar compiled
+            req.pending_turn = plan
+        elif plan is not None:
+            self._start_turn(req, plan)
         self._enqueue(req, queued=grammar == "queued")
+
+    def _start_turn(self, req: Req, plan: TurnPlan) -> None:
+        replaced = abort(
+            409, "session_replaced", "a later turn of the session replaced this request"
+        )
+        for victim in self.sessions.start(plan, req, req.arrival_time):
+            self._mark_abort(victim, replaced)
 
     def add_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> None:
         """Take a prefill-only request in: an embedding (no `label_token_ids`) or label-token
@@ -171,6 +176,10 @@ class Scheduler:
         if not self.grammars:
             return
         ready, failed = self.grammars.poll(now)
+        for req in ready:
+            if req.pending_turn is not None:
+                self._start_turn(req, req.pending_turn)
+                req.pending_turn = None
         self.waiting.extend(ready)
         for req, error in failed:
             self.touched.append(req)
@@ -192,6 +201,7 @@ class Scheduler:
             return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, reply_to=msg.reply_to,
             timeout=msg.timeout, grammar_after_id=msg.grammar_after_id,
+            reasoning_start_id=msg.reasoning_start_id,
         )  # fmt: skip
 
     def _validate(self, req: Req) -> str | None:
@@ -334,7 +344,7 @@ class Scheduler:
                 plan = (plan_prefill if prefill else plan_decode)(reqs, r2t, slots, device)
                 constrained = constrained_reqs(plan)
                 if constrained:
-                    plan.grammar_masks = self.grammars.fill_masks([r.grammar for r in constrained])
+                    plan.grammar_masks = self.grammars.fill_masks(constrained)
                 out = execute(self.runner, plan)
             except Exception:
                 self.allocator.free(slots)
@@ -376,13 +386,26 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         reason = self.finish_checker.check(req)
-        if req.is_constrained:
-            reason = _grammar_finish(req, token, reason)
-        elif token == req.grammar_after_id:  # the reasoning ended: the grammar starts now
-            req.grammar_after_id = -1
+        if req.grammar is not None:
+            reason = self._advance_grammar(req, token, reason)
         self.touched.append(req)
         if reason is not None:
             self.finish(req, reason)
+
+    def _advance_grammar(self, req: Req, token: int, reason: FinishReason | None):
+        """The grammar phase after `token`: an optional reasoning opens or is skipped (first
+        token), the reasoning ends, or the grammar consumes the token."""
+        if req.reasoning_start_id >= 0:
+            opened = token == req.reasoning_start_id
+            req.reasoning_start_id = -1
+            if opened:
+                return reason
+            req.grammar_after_id = -1  # no reasoning: this token is the grammar's first
+        if req.grammar_after_id >= 0:
+            if token == req.grammar_after_id:  # the reasoning ended: the grammar starts now
+                req.grammar_after_id = -1
+            return reason
+        return _grammar_finish(req, token, reason, self.eos_ids)
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
@@ -527,14 +550,17 @@ class Scheduler:
         return True
 
 
-def _grammar_finish(req: Req, token: int, reason: FinishReason | None) -> FinishReason | None:
+def _grammar_finish(
+    req: Req, token: int, reason: FinishReason | None, eos_ids: frozenset[int]
+) -> FinishReason | None:
     """Advance the request's grammar by `token`: a grammar that takes nothing more ends the
-    request with "stop" (unless it ends anyway); a token the grammar refuses is a 500."""
+    request with "stop" (unless it ends anyway; an EOS that ended it is the stop matched, so
+    it is trimmed from the text even with ignore_eos); a token the grammar refuses is a 500."""
     error = req.grammar.accept(token)
     if error is not None:
         return internal_error(f"the sampled token broke the grammar: {error}")
     if reason is None and req.grammar.is_terminated:
-        return FinishReason(type="stop", matched=None)
+        return FinishReason(type="stop", matched=token if token in eos_ids else None)
     return reason
 
 

@@ -63,10 +63,12 @@ class OpenAIServingChat(OpenAIServingBase):
             parsers.tools is not None and self.ctx.tool_parser in ("llama3", "mistral")
         ):  # the parsers read markers that may be special tokens (`</think>`, `[TOOL_CALLS]`)
             params.setdefault("skip_special_tokens", False)
+        after_id, start_id = self._grammar_after(parsers, params)
         return GenerateReqInput(
             input_ids=input_ids,
             sampling_params=params,
-            grammar_after_id=self._grammar_after(parsers, params),
+            grammar_after_id=after_id,
+            reasoning_start_id=start_id,
             rid=req.rid or new_rid(),
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
@@ -85,20 +87,23 @@ class OpenAIServingChat(OpenAIServingBase):
         """The id of `text` when it is one added (special) token of the tokenizer."""
         return self.tm.tokenizer.get_added_vocab().get(text)
 
-    def _grammar_after(self, parsers: ChatParsers, params: dict[str, Any]) -> int:
-        """With reasoning and a grammar, the token that ends the reasoning; else -1."""
-        if parsers.reasoning is None or not any(
-            k in params for k in ("json_schema", "regex", "ebnf")
-        ):
-            return -1
-        end = self._special_id(parsers.reasoning.end)
-        if end is None:
-            raise APIError(
-                400, f"this tokenizer has no single token {parsers.reasoning.end!r} that ends the "
-                "reasoning, so the output cannot be constrained after it",
-                "invalid_request_error", "response_format",
-            )  # fmt: skip
-        return end
+    def _grammar_after(self, parsers: ChatParsers, params: dict[str, Any]) -> tuple[int, int]:
+        """With reasoning and a grammar: the token that ends the reasoning (the grammar and
+        stopping wait for it), and the one that opens it when the model may skip it (-1 when
+        the template opens it); else (-1, -1)."""
+        reasoning = parsers.reasoning
+        if reasoning is None or not any(k in params for k in ("json_schema", "regex", "ebnf")):
+            return -1, -1
+        tags = [reasoning.end] + ([] if reasoning.starts_in_reasoning else [reasoning.start])
+        ids = [self._special_id(tag) for tag in tags]
+        for tag, token in zip(tags, ids, strict=True):
+            if token is None:
+                raise APIError(
+                    400, f"this tokenizer has no single token {tag!r} that delimits the "
+                    "reasoning, so the output cannot be constrained after it",
+                    "invalid_request_error", "response_format",
+                )  # fmt: skip
+        return ids[0], ids[1] if len(ids) > 1 else -1
 
     def new_state(self, req: ChatCompletionRequest, obj: GenerateReqInput) -> ResponseState:
         state = super().new_state(req, obj)

@@ -25,7 +25,8 @@ class GenerateReqInput:
     stream: bool = False
     session_params: dict[str, Any] | None = None
     timeout: float = 0.0  # seconds, 0: none
-    grammar_after_id: int = -1  # see messages.TokenizedGenerateReqInput
+    grammar_after_id: int = -1  # these two: see messages.TokenizedGenerateReqInput
+    reasoning_start_id: int = -1
 
     @property
     def is_single(self) -> bool:

@@ -176,20 +176,23 @@ def test_conflicting_grammars_are_refused(engine: Engine) -> None:
 
 
 class BlockedPool:
-    """Holds the grammar pool's only thread until released: compilations queue behind it."""
+    """Holds every thread of the grammar pool until released: compilations queue behind them
+    (and do not start, so no compile timeout runs)."""
 
     def __init__(self, target: Engine | Any) -> None:
         """`target`: an Engine, or a scheduler's GrammarManager."""
         self.release = threading.Event()
-        self.started = threading.Event()
         self.grammars = target.scheduler.grammars if isinstance(target, Engine) else target
+        num = self.grammars.pool._max_workers
+        started = threading.Barrier(num + 1)
 
         def hold() -> None:
-            self.started.set()
+            started.wait(10)
             self.release.wait(60)
 
-        self.grammars.pool.submit(hold)
-        assert self.started.wait(10)
+        for _ in range(num):
+            self.grammars.pool.submit(hold)
+        started.wait(10)
 
     def __enter__(self) -> BlockedPool:
         return self
@@ -218,22 +221,48 @@ def test_a_compiling_request_waits_apart_and_can_be_aborted(engine: Engine) -> N
     assert not sched.has_work()
 
 
+def _slow_schema(num_options: int = 400) -> str:
+    """A schema llguidance takes about a second to build (an anyOf of many wide objects)."""
+    options = [
+        {"type": "object", "required": [f"p{i}_0"],
+         "properties": {f"p{i}_{j}": {"type": "string", "pattern": f"[a-z]{{{j + 1}}}x{i}"}
+                        for j in range(30)}}
+        for i in range(num_options)
+    ]  # fmt: skip
+    return json.dumps({"anyOf": options})
+
+
 def test_compile_timeout_is_400_and_remembered(
     make_engine: MakeEngine, tiny_llama_dir: str
 ) -> None:
-    quick = make_engine(tiny_llama_dir, max_total_tokens=2048, grammar_compile_timeout=0.05)
+    """Only the grammar whose own compilation overran fails (and fails at once later); one
+    that compiles quickly beside it, or behind it, is not hurt."""
+    quick = make_engine(tiny_llama_dir, max_total_tokens=2048, grammar_compile_timeout=0.1)
     driver = RawDriver(quick)
-    regex = "(slow|grammar)[0-9]{2}"
-    with BlockedPool(quick):
-        driver.add("slow", _prompt(quick), regex=regex, max_new_tokens=8)
-        driver.run()
+    slow = _slow_schema()
+    driver.add("slow", _prompt(quick), json_schema=slow, max_new_tokens=8)
+    driver.add("quick", _prompt(quick), regex="(yes|no)", max_new_tokens=8)
+    driver.run()
     reason = driver.results["slow"].finish
-    assert reason.status_code == 400 and "took longer than 0.05 s" in reason.message
-    # the pool is free now, yet the same grammar fails at once, without compiling again
-    driver.add("again", _prompt(quick), regex=regex, max_new_tokens=8)
-    assert not quick.scheduler.grammars.queue
+    assert reason.status_code == 400 and "took longer than 0.1 s" in reason.message
+    assert driver.results["quick"].finish.type == "stop"
+    driver.add("again", _prompt(quick), json_schema=slow, max_new_tokens=8)
+    assert not quick.scheduler.grammars.queue  # failed at once, without compiling again
     driver.run()
     assert "took longer than" in driver.results["again"].finish.message
+
+
+def test_an_abandoned_compilation_that_never_started_is_cancelled(engine: Engine) -> None:
+    driver = RawDriver(engine)
+    grammars = engine.scheduler.grammars
+    regex = "(cancelled|before|start)"
+    with BlockedPool(engine):
+        driver.add("gone", _prompt(engine), regex=regex, max_new_tokens=4)
+        driver.step()
+        driver.abort("gone")
+        driver.step()
+        assert ("regex", regex) not in grammars.cache
+    assert driver.results["gone"].finish.status_code == 499
 
 
 def test_no_grammar_backend_refuses_grammars(make_engine: MakeEngine, tiny_llama_dir: str) -> None:
@@ -280,3 +309,41 @@ def test_grammar_starts_after_the_reasoning_ends(engine: Engine) -> None:
     assert reasoning.finish.type == "stop"
     assert end not in plain.output_ids  # the grammar held from the start: the bias lost
     assert engine.tokenizer.decode(plain.output_ids) in ("yes", "no")
+
+
+def _reasoning_run(engine: Engine, bias: dict[int, float], after: int, start: int, **params):
+    driver = RawDriver(engine)
+    driver.results["r"] = RawResult()
+    sampling = {"regex": "(yes|no)", "max_new_tokens": 12, "temperature": 1.0, "seed": 2,
+                "logit_bias": bias, **params}  # fmt: skip
+    engine.scheduler.add_request(
+        TokenizedGenerateReqInput(
+            rid="r", input_ids=_prompt(engine), sampling_params=parse_sampling_params(sampling),
+            grammar_after_id=after, reasoning_start_id=start,
+        )
+    )  # fmt: skip
+    driver.run()
+    return driver.results["r"]
+
+
+def test_optional_reasoning_opens_or_is_skipped_on_the_first_token(engine: Engine) -> None:
+    tok = engine.tokenizer
+    start, end = 1000, 2000  # any two tokens do as the reasoning's delimiters
+    # the first token may open the reasoning (end is not allowed there: the mask holds the
+    # grammar and the opening token), then it is free until the end token
+    opened = _reasoning_run(engine, {start: 100.0, end: 101.0}, end, start)
+    assert opened.output_ids[0] == start and end in opened.output_ids
+    after = opened.output_ids[opened.output_ids.index(end) + 1 :]
+    assert tok.decode(after) in ("yes", "no") and opened.finish.type == "stop"
+    # anything else first: no reasoning, the grammar holds from the first token
+    skipped = _reasoning_run(engine, {start: -100.0, end: 100.0}, end, start)
+    assert tok.decode(skipped.output_ids) in ("yes", "no") and skipped.finish.type == "stop"
+
+
+def test_stop_tokens_wait_for_the_end_of_the_reasoning(engine: Engine) -> None:
+    """While a grammar waits for the reasoning to end, the request cannot stop: only the
+    budget ends it (a 200 with unconstrained text and "stop" would be a lie)."""
+    eos = engine.tokenizer.eos_token_id
+    end = engine.tokenizer.encode("</think>")[-1]
+    res = _reasoning_run(engine, {eos: 100.0, end: -100.0}, end, -1)
+    assert eos not in res.output_ids and res.finish.type == "length"

@@ -357,3 +357,24 @@ def test_session_turns_with_grammars(drv: SessionDriver) -> None:
     assert drv.built["g5"] == a + r1.output_ids + b + r3.output_ids + b
     assert len(r5.output_ids) == 3
     drv.close("constrained")
+
+
+def test_a_replacing_turn_whose_grammar_fails_to_compile_replaces_nothing(
+    drv: SessionDriver,
+) -> None:
+    """The replace takes effect when the turn's grammar is ready: a grammar that turns out
+    not to compile leaves the branch it would have replaced."""
+    assert drv.open("keep")
+    a, b, c = _ids(12), _ids(5), _ids(5)
+    r1 = drv.run_turn("k1", a, _session("keep"))
+    r2 = drv.run_turn("k2", b, _session("keep", rid="k1"))
+    with BlockedPool(drv.sched.grammars):  # queued, so the failure comes after the turn began
+        drv.turn(
+            "k3", c, _session("keep", rid="k1", replace=True), regex="((never", max_new_tokens=4
+        )
+        drv.step()
+    drv.run()
+    _assert_error(drv.results["k3"], "invalid_grammar", "regex")
+    drv.run_turn("k4", c, _session("keep", rid="k2"))
+    assert drv.built["k4"] == a + r1.output_ids + b + r2.output_ids + c
+    drv.close("keep")

@@ -247,6 +247,7 @@ class TokenizerManager:
                     top_logprobs_num=obj.top_logprobs_num, stream=obj.stream,
                     session_params=session, timeout=obj.timeout, reply_to=self._reply_to,
                     grammar_after_id=obj.grammar_after_id,
+                    reasoning_start_id=obj.reasoning_start_id,
                 )
             )  # fmt: skip
         return reqs

@@ -16,7 +16,8 @@ import logging
 from typing import Any
 
 from sluice.server.reasoning_parser import REASONING_PARSERS, ReasoningParser
-from sluice.server.tool_parser import PARSERS, ToolCall, ToolDelta, ToolParser, detect_parser
+from sluice.server.tool_parser import PARSERS, ToolCall, ToolDelta, ToolParser
+from sluice.tokenizer.chat import detect_parser, template_supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,16 @@ FALLBACK_TOOL_PARSER = "hermes"  # templates that do not render tools get sluice
 
 def resolve_tool_parser(setting: str, chat_template: str | None) -> str:
     """`--tool-call-parser`: a family, or auto (the family the chat template teaches, else the
-    hermes format that sluice's fallback prompt asks for)."""
+    hermes format that sluice's fallback prompt asks for). A template that does not render
+    tools in a format sluice knows gets that prompt, so its parser is hermes whatever is set."""
+    if setting != "auto" and setting != FALLBACK_TOOL_PARSER:
+        if not template_supports_tools(chat_template):
+            logger.warning(
+                "--tool-call-parser %s: the chat template does not render tools in that format; "
+                "sluice's tool prompt asks for %s calls, so they are parsed as such",
+                setting, FALLBACK_TOOL_PARSER,
+            )  # fmt: skip
+            return FALLBACK_TOOL_PARSER
     if setting != "auto":
         return setting
     name = detect_parser(chat_template) or FALLBACK_TOOL_PARSER
@@ -37,18 +47,29 @@ class ChatParsers:
     """The parsers a chat request's choices use: reasoning (None when the server has none or
     the request turns thinking off) and tools (None when no tools are offered)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        max_calls: int | None = None,
+    ) -> None:
+        """`max_calls`: calls kept (1 with `parallel_tool_calls: false`), None: all."""
+        self.reasoning, self.tools, self.max_calls = reasoning, tools, max_calls
 
     @classmethod
     def for_request(
-        cls, reasoning_name: str | None, tool_name: str, uses_tools: bool, template_kwargs: Any
+        cls,
+        reasoning_name: str | None,
+        tool_name: str,
+        uses_tools: bool,
+        template_kwargs: Any,
+        max_calls: int | None = None,
     ) -> ChatParsers:
         reasoning = None
         if reasoning_name is not None:
             reasoning = REASONING_PARSERS[reasoning_name].for_request(template_kwargs)
             reasoning = reasoning if reasoning.enabled else None
-        return cls(reasoning, PARSERS[tool_name]() if uses_tools else None)
+        return cls(reasoning, PARSERS[tool_name]() if uses_tools else None, max_calls)
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """The assistant message of a whole text, and whether it holds tool calls."""
@@ -56,6 +77,7 @@ class ChatParsers:
         calls: list[ToolCall] = []
         if self.tools is not None:
             content, calls = self.tools.parse(content)
+            calls = calls[: self.max_calls]
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning is not None:
             msg["reasoning_content"] = reasoning
@@ -74,6 +96,7 @@ class ChoiceStream:
     def __init__(self, parsers: ChatParsers) -> None:
         self._reasoning = parsers.reasoning.stream() if parsers.reasoning else None
         self._tools = parsers.tools.stream() if parsers.tools else None
+        self._max_calls = parsers.max_calls
         self.has_tool_calls = False
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
@@ -102,6 +125,8 @@ class ChoiceStream:
             content, calls = self._tools.feed(content)
         if content:
             out.append({"content": content})
+        if self._max_calls is not None:
+            calls = [d for d in calls if d.index < self._max_calls]
         out.extend({"tool_calls": [_delta_dict(d)]} for d in calls)
         self.has_tool_calls = self.has_tool_calls or bool(calls)
         return out

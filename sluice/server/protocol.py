@@ -294,6 +294,12 @@ class ChatCompletionRequest(SamplingRequest):
                     f"tool_choice names the function {self.tool_choice.function.name!r}, which "
                     f"is not among the tools ({', '.join(names) or 'none given'})"
                 )
+        strict = [t.function.name for t in self.tools or [] if t.function.strict]
+        if strict and self.uses_tools and self.forced_tool is None:
+            raise ValueError(
+                f"the function {strict[0]!r} is strict, but its parameters are enforced only "
+                "when the call is forced: use tool_choice 'required' or name the function"
+            )
         if self.uses_tools and self.grammar():
             raise ValueError(
                 "constraining the output (response_format json_schema / json_object, or a "

@@ -22,6 +22,7 @@ from sluice.server.protocol import ChatCompletionRequest
 from sluice.server.serving_base import OpenAIServingBase, ResponseState, finish_reason, new_rid
 from sluice.server.sse import sse_data
 from sluice.server.tool_grammar import forced_call_grammar
+from sluice.server.tool_parser import MARKERS
 from sluice.tokenizer.generate_input import GenerateReqInput
 
 CHUNK = "chat.completion.chunk"
@@ -59,10 +60,8 @@ class OpenAIServingChat(OpenAIServingBase):
                 self.ctx.tool_parser, tools or [], req.forced_tool,
                 req.parallel_tool_calls is not False, self._special_id,
             )  # fmt: skip
-        if parsers.reasoning is not None or (
-            parsers.tools is not None and self.ctx.tool_parser in ("llama3", "mistral")
-        ):  # the parsers read markers that may be special tokens (`</think>`, `[TOOL_CALLS]`)
-            params.setdefault("skip_special_tokens", False)
+        if any(self._special_id(m) is not None for m in self._markers(parsers)):
+            params["skip_special_tokens"] = False  # the parsers must see their markers
         after_id, start_id = self._grammar_after(parsers, params)
         return GenerateReqInput(
             input_ids=input_ids,
@@ -80,8 +79,15 @@ class OpenAIServingChat(OpenAIServingBase):
     def _parsers(self, req: ChatCompletionRequest) -> ChatParsers:
         return ChatParsers.for_request(
             self.ctx.reasoning_parser, self.ctx.tool_parser, req.uses_tools,
-            req.chat_template_kwargs,
+            req.chat_template_kwargs, max_calls=1 if req.parallel_tool_calls is False else None,
         )  # fmt: skip
+
+    def _markers(self, parsers: ChatParsers) -> list[str]:
+        """The texts the request's parsers look for in the output."""
+        out = list(MARKERS[self.ctx.tool_parser]) if parsers.tools is not None else []
+        if parsers.reasoning is not None:
+            out += [parsers.reasoning.start, parsers.reasoning.end]
+        return out
 
     def _special_id(self, text: str) -> int | None:
         """The id of `text` when it is one added (special) token of the tokenizer."""

@@ -78,9 +78,13 @@ def _loads(text: str) -> Any:
         return None
 
 
-def _call_from_obj(obj: Any) -> _Found | None:
-    """A call out of `{"name": str, "arguments" | "parameters": object or its JSON text}`."""
+def _call_from_obj(obj: Any, needs_args: bool = False) -> _Found | None:
+    """A call out of `{"name": str, "arguments" | "parameters": object or its JSON text}`.
+    `needs_args`: one of the two keys must be there (Llama 3's calls are bare JSON, so a JSON
+    answer with a "name", e.g. a person, is not one)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    if needs_args and "arguments" not in obj and "parameters" not in obj:
         return None
     args = obj.get("arguments", obj.get("parameters"))
     if args is None:
@@ -185,7 +189,14 @@ class _HermesScanner(_Scanner):
         """The block opening at `pos`: a call, or its text when it is not one (a block that a
         new `<tool_call>` interrupts, or one whose JSON is not a call). None: not decided."""
         start, body = self.pos, self.pos + len(self.OPEN)
-        close, reopen = buf.find(self.CLOSE, body), buf.find(self.OPEN, body)
+        after = body  # markers are looked for after the call's JSON (its strings may hold one)
+        j = _skip(buf, body, " \t\r\n")
+        if j < len(buf) and buf[j] == "{":
+            end = self.json_end.find(buf, j)
+            if end is None and not final:
+                return None
+            after = end if end is not None else body
+        close, reopen = buf.find(self.CLOSE, after), buf.find(self.OPEN, after)
         if reopen >= 0 and (close < 0 or reopen < close):
             self.pos = reopen
             return buf[start:reopen]
@@ -241,7 +252,7 @@ class _Llama3Scanner(_Scanner):
         decided, found = self.json_value(buf, j, final)
         if not decided:
             return False
-        call = _call_from_obj(found[1]) if found else None
+        call = _call_from_obj(found[1], needs_args=True) if found else None
         if call is not None:
             events.append(call)
             self.pos, self.tag_pos = found[0], -1
@@ -402,23 +413,13 @@ class MistralToolParser(ToolParser):
         return random_alnum(9)  # Mistral's templates accept exactly 9 alphanumerics
 
 
+# the marker texts each family's calls are written with (they may be special tokens)
+MARKERS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3": ("<|python_tag|>",),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+}
+
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3ToolParser, MistralToolParser)
 }
-
-
-_PARAMETERS_KEY = re.compile(r'\\?"parameters\\?"')  # the key, maybe escaped in a template string
-
-
-def detect_parser(chat_template: str | None) -> str | None:
-    """The family whose tool-call format `chat_template` teaches; None when it has none."""
-    if not chat_template:
-        return None
-    if "[TOOL_CALLS]" in chat_template:
-        return "mistral"
-    if "<tool_call>" in chat_template:
-        return "hermes"
-    llama3_json = _PARAMETERS_KEY.search(chat_template) and "<|start_header_id|>" in chat_template
-    if "<|python_tag|>" in chat_template or llama3_json:
-        return "llama3"
-    return None

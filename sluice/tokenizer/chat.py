@@ -115,9 +115,32 @@ def _template_text(tokenizer: Any, tools: list | None) -> str:
         return template if isinstance(template, str) else ""
 
 
+_PARAMETERS_KEY = re.compile(r'\\?"parameters\\?"')  # the key, maybe escaped in a template string
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The family whose tool-call format `chat_template` teaches; None when it has none."""
+    if not chat_template:
+        return None
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    llama3_json = _PARAMETERS_KEY.search(chat_template) and "<|start_header_id|>" in chat_template
+    if "<|python_tag|>" in chat_template or llama3_json:
+        return "llama3"
+    return None
+
+
 def template_supports_tools(chat_template: str | None) -> bool:
-    """Whether the template renders tool definitions (it reads the `tools` variable)."""
-    return bool(chat_template) and _TOOLS_WORD.search(chat_template) is not None
+    """Whether the template renders tool definitions (it reads the `tools` variable) in a
+    format sluice parses back; other templates get sluice's own tool prompt instead, so the
+    prompt and the parser agree."""
+    return (
+        bool(chat_template)
+        and _TOOLS_WORD.search(chat_template) is not None
+        and detect_parser(chat_template) is not None
+    )
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

@@ -234,13 +234,17 @@ def check_grammar(params: dict[str, Any]) -> None:
             param=given[1],
         )
     schema = params.get("json_schema")
-    if isinstance(schema, dict | bool):
-        params["json_schema"] = json.dumps(schema)
-    elif isinstance(schema, str):
+    if isinstance(schema, str):
         try:
-            json.loads(schema)
+            schema = json.loads(schema)
         except ValueError as e:
             raise RequestError(f"json_schema is not valid JSON: {e}", param="json_schema") from e
+    if schema is False:
+        raise RequestError("json_schema false matches nothing", param="json_schema")
+    if schema is True:  # any JSON value
+        params["json_schema"] = "{}"
+    elif isinstance(schema, dict):
+        params["json_schema"] = json.dumps(schema)
 
 
 def _error_param(e: Exception) -> str | None:

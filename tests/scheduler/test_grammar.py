@@ -173,6 +173,11 @@ def test_conflicting_grammars_are_refused(engine: Engine) -> None:
         engine.generate("x", {"regex": "a", "ebnf": 'start: "a"'})
     with pytest.raises(ValueError, match="json_schema is not valid JSON"):
         engine.generate("x", {"json_schema": "{not json"})
+    with pytest.raises(ValueError, match="matches nothing"):
+        engine.generate("x", {"json_schema": False})
+    out = engine.generate("x", {"json_schema": "true", "max_new_tokens": 64, "temperature": 0})
+    if _finish(out) == "stop":  # a boolean schema true: any JSON value
+        json.loads(out["text"])
 
 
 class BlockedPool:

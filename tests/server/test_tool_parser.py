@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.server.tool_parser import PARSERS, ToolDelta, ToolParser, detect_parser
+from sluice.server.tool_parser import PARSERS, ToolDelta, ToolParser
+from sluice.tokenizer.chat import detect_parser
 
 ARGS = {"city": 'Pa"ris', "nested": {"list": [1, {"k": "ü 😀 \\ \n"}], "none": None}}
 ARGS_JSON = json.dumps(ARGS, ensure_ascii=False)
@@ -72,6 +73,12 @@ def calls_of(parser: ToolParser, text: str) -> tuple[str, list[tuple[str, dict]]
 CANNED = {
     "hermes": [
         (hermes_call("f", {"a": 1}), "", [("f", {"a": 1})]),
+        # a closing tag inside an argument string does not end the call
+        (
+            hermes_call("f", {"s": "a</tool_call>b<tool_call>"}),
+            "",
+            [("f", {"s": "a</tool_call>b<tool_call>"})],
+        ),
         (
             hermes_call("f", {}) + "\n" + hermes_call("g", {"b": 2}),
             "",
@@ -97,6 +104,8 @@ CANNED = {
     ],
     "llama3": [
         (llama3_call("f", {"a": 1}), "", [("f", {"a": 1})]),
+        # a JSON answer with a "name" but no arguments is an answer, not a call
+        ('{"name": "Alice", "age": 30}', '{"name": "Alice", "age": 30}', []),
         (
             llama3_call("f", {}) + "; " + llama3_call("g", {"b": 2}),
             "",

@@ -128,6 +128,7 @@ def test_tool_requests_that_cannot_be_honoured_are_400(client: openai.OpenAI) ->
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
         ({"tools": None, "tool_choice": "required"}, "needs tools"),
         ({"response_format": {"type": "json_object"}}, "together with tools"),
+        ({"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]}, "strict"),
     ]
     for kw, named in bad:
         with pytest.raises(openai.BadRequestError) as info:
@@ -166,6 +167,28 @@ def test_langchain_bind_tools_returns_calls(live: LiveServer) -> None:
     assert len(message.tool_calls) == 1
     call = message.tool_calls[0]
     jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=30)
+    home: Address
+
+
+def test_a_forced_strict_tool_with_nested_models(client: openai.OpenAI) -> None:
+    """The SDK's pydantic tool: strict, parameters with $defs and $ref; named, it is forced."""
+    tool = openai.pydantic_function_tool(Person)
+    choice = _create(
+        client, tools=[tool], tool_choice={"type": "function", "function": {"name": "Person"}},
+        messages=[{"role": "user", "content": "Ann lives in Lyon, France."}],
+    ).choices[0]  # fmt: skip
+    args = json.loads(choice.message.tool_calls[0].function.arguments)
+    Person.model_validate(args)
+    assert choice.finish_reason == "tool_calls"
 
 
 def test_zz_nothing_left_behind(live: LiveServer) -> None:

@@ -1,6 +1,6 @@
 """The FastAPI app of the HTTP process: routes, auth, metrics and error bodies.
 
-`create_app(tokenizer_manager, server_args)` builds one app around one TokenizerManager. The
+`create_app(tokenizer_manager, server_args)` builds one app around one MainModel. The
 OpenAI routes and /generate delegate to the serving classes; the rest are small and live here.
 """
 
@@ -39,6 +39,8 @@ from sluice.server.serving_generate import ServingGenerate
 from sluice.server.serving_rerank import ServingRerank
 from sluice.server.serving_score import ServingScore
 from sluice.server.worker_info import identity, model_info, quiet_protocol_probes
+from sluice.tokenizer.main_model import MainModel
+from sluice.tokenizer.model_client import HeardFrom
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +76,15 @@ def _no_telemetry() -> dict[str, Any]:
 
 
 def create_app(
-    tokenizer_manager: Any,
+    tokenizer_manager: MainModel,
     server_args: Any,
     *,
     keepalive_interval: float = 5.0,
     embedders: list[Any] | None = None,
 ) -> FastAPI:
     """`embedders`: the EmbeddingManagers of the server's encoder models, routed by `model`;
-    the TokenizerManager's own `embedding_manager` (if it has one) makes the chat model serve
-    embeddings, /v1/score and rerank too."""
+    the main model's own `embedding_manager` (a decoder's; None for an encoder) makes the chat
+    model serve embeddings, /v1/score and rerank too."""
     app = FastAPI(
         title="sluice", version=__version__, docs_url=None, redoc_url=None, **_no_telemetry()
     )
@@ -119,15 +121,13 @@ def create_app(
     return app
 
 
-def _request_counters(tokenizer_manager: Any, embedders: list[Any]) -> list[Any]:
+def _request_counters(tokenizer_manager: MainModel, embedders: list[Any]) -> list[Any]:
     """Every RequestCounters of the server, each once: the generation requests' and the pooled
     requests' of every model (an encoder main model's manager is also among `embedders`)."""
-    owners = [
-        tokenizer_manager, getattr(tokenizer_manager, "embedding_manager", None), *embedders
-    ]  # fmt: skip
+    decoder = tokenizer_manager.embedding_manager
+    pooled = [*([decoder] if decoder is not None else []), *embedders]
     found: dict[int, Any] = {}
-    for owner in owners:
-        counters = getattr(owner, "counters", None)
+    for counters in (tokenizer_manager.counters, *(m.counters for m in pooled)):
         if counters is not None:
             found.setdefault(id(counters), counters)
     return list(found.values())
@@ -146,7 +146,7 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 def _add_encoder_routes(app: FastAPI, ctx: ServingContext, embedders: list[Any]) -> None:
     app.state.embedders = embedders
-    decoder = getattr(ctx.tokenizer_manager, "embedding_manager", None)
+    decoder = ctx.tokenizer_manager.embedding_manager
     models = [*embedders, *([decoder] if decoder is not None else [])]
     embedding, rerank = ServingEmbedding(ctx, models), ServingRerank(ctx, models)
     app.add_api_route("/v1/embeddings", embedding.handle, methods=["POST"])
@@ -193,7 +193,7 @@ async def _encoder_state(encoder: Any) -> dict[str, Any]:
 
 def _model_card(ctx: ServingContext, created: int) -> dict[str, Any]:
     context_len = int(ctx.tokenizer_manager.context_len)
-    decoder = getattr(ctx.tokenizer_manager, "embedding_manager", None)
+    decoder = ctx.tokenizer_manager.embedding_manager
     return {
         "id": ctx.model_name,
         "object": "model",
@@ -207,13 +207,12 @@ def _model_card(ctx: ServingContext, created: int) -> dict[str, Any]:
     }
 
 
-def _silence(owner: Any) -> float:
+def _silence(owner: HeardFrom) -> float:
     """Seconds since `owner`'s scheduler loop was last heard from; 0 until its first heartbeat
     (a loop that sends none is not judged)."""
-    last = getattr(owner, "last_scheduler_contact", None)
-    if last is None or not getattr(owner, "heartbeat_seen", False):
+    if not owner.heartbeat_seen:
         return 0.0
-    return time.monotonic() - last
+    return time.monotonic() - owner.last_scheduler_contact
 
 
 def _public_args(server_args: Any) -> dict[str, Any]:
@@ -229,7 +228,7 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         cards = [_encoder_card(e, app.state.created) for e in app.state.embedders]
-        if getattr(tm, "can_generate", True):
+        if tm.can_generate:
             cards.insert(0, _model_card(ctx, app.state.created))
         return {"object": "list", "data": cards}
 
@@ -256,7 +255,7 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
         """Readiness: not shutting down, and every model's scheduler loop was heard from (an
         output or its heartbeat) within --health-timeout. Sends nothing to the schedulers."""
         ctx.check_ready()
-        if getattr(tm, "shutting_down", False):
+        if tm.shutting_down:
             raise APIError(503, "the server is shutting down", "shutting_down")
         loops = [(ctx.model_name, tm), *((e.model_name, e) for e in app.state.embedders)]
         for name, owner in loops:
@@ -283,7 +282,7 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
         """The settings, with `model_path` and `served_model_name` resolved (never null);
         `internal_state`: the main model's processes (503 if its scheduler does not answer);
         `encoder_internal_states`: each other model's scheduler, by model name (never fails)."""
-        main = getattr(tm, "manager", None)  # an encoder main model's manager: internal_state
+        main = tm.manager  # an encoder main model's manager answers as internal_state
         others = [e for e in app.state.embedders if e is not main]
         state, encoder_states = await asyncio.gather(_internal_state(ctx), _encoder_states(others))
         return {

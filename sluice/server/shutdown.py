@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from sluice.aborts import SHUTDOWN_MESSAGE
+from sluice.tokenizer.main_model import MainModel
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class GracefulShutdown:
     def __init__(
         self,
         server: Any,
-        tokenizer_manager: Any,
+        tokenizer_manager: MainModel,
         timeout: float,
         encoders: list[Any] | None = None,
     ) -> None:
@@ -58,7 +59,7 @@ class GracefulShutdown:
 
     def num_in_flight(self) -> int:
         """Generation rids plus pooled rids of every model (the main model's and encoders')."""
-        own = getattr(self.tm, "embedding_manager", None)  # None: the main model is an encoder
+        own = self.tm.embedding_manager  # None: the main model is an encoder
         pooled = [m for m in (own, *self.encoders) if m is not None]
         return len(self.tm.rid_to_state) + sum(len(m.pending) for m in pooled)
 

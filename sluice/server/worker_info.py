@@ -19,6 +19,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from sluice.tokenizer.main_model import MainModel
+
 UVICORN_LOGGER = "uvicorn.error"
 _INVALID_REQUEST = "Invalid HTTP request received."  # uvicorn's warning, h11 and httptools alike
 _EXPLAINED = (
@@ -27,11 +29,11 @@ _EXPLAINED = (
 )
 
 
-def identity(tm: Any, server_args: Any, model_name: str) -> dict[str, Any]:
+def identity(tm: MainModel, server_args: Any, model_name: str) -> dict[str, Any]:
     """The keys that name the model: the path it was loaded from (the default model's when
     --model-path was not given), its Hugging Face directory (tokenizer included) and the name
-    the API serves it under."""
-    cfg = getattr(tm, "model_config", None)
+    the API serves it under. (`model_config` is None only in tests.)"""
+    cfg = tm.model_config
     return {
         "model_path": getattr(cfg, "source_path", None) or getattr(server_args, "model_path", None),
         "tokenizer_path": getattr(cfg, "hf_dir", None),
@@ -39,10 +41,10 @@ def identity(tm: Any, server_args: Any, model_name: str) -> dict[str, Any]:
     }
 
 
-def model_info(tm: Any, server_args: Any, model_name: str) -> dict[str, Any]:
+def model_info(tm: MainModel, server_args: Any, model_name: str) -> dict[str, Any]:
     """/model_info: SGLang's fields (`model_path`, `tokenizer_path`, `is_generation`,
     `model_type`, `architectures`) and sluice's own (`architecture`, `context_length`, ...)."""
-    cfg = getattr(tm, "model_config", None)
+    cfg = tm.model_config
     architecture = getattr(cfg, "architecture", None)
     return {
         **identity(tm, server_args, model_name),
@@ -51,7 +53,7 @@ def model_info(tm: Any, server_args: Any, model_name: str) -> dict[str, Any]:
         "model_type": _hf_model_type(getattr(cfg, "hf_dir", None)),
         "context_length": int(tm.context_len),
         "vocab_size": getattr(cfg, "vocab_size", None),
-        "is_generation": getattr(tm, "can_generate", True),
+        "is_generation": tm.can_generate,
     }
 
 

@@ -9,8 +9,8 @@ vectors come back as BatchEmbeddingOutput (`on_output`) and resolve one future p
 Ownership: `pending` holds exactly the rids sent and not yet answered. A call that ends early
 (error, cancellation) removes its rids and sends an AbortReq for them. How messages travel is
 not this class's business: it is given a `send` callable and is handed the outputs.
-- An extra encoder model of a server is an `EncoderManager`: its own scheduler process, its own
-  sockets and receive loop; the scheduler pushes straight to this manager's socket.
+- An extra encoder model of a server is an `EncoderManager`: its own scheduler process, and its
+  own ModelClient (sockets, receive loop, control calls); the scheduler pushes straight to it.
 - The decoder's manager (`decoder_info`) is owned by the TokenizerManager: it sends on the
   TokenizerManager's scheduler socket, shares its tokenizer thread, and gets its outputs from
   the TokenizerManager's receive loop (the detokenizer passes them through unchanged).
@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,8 +37,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import zmq
-import zmq.asyncio
 
 from sluice.config import ServerArgs
 from sluice.messages import (
@@ -51,18 +46,20 @@ from sluice.messages import (
     FinishReason,
     GetInternalStateReq,
     InternalStateReply,
-    SchedulerHeartbeat,
     SetPausedReq,
     TokenizedEmbeddingReqInput,
 )
 from sluice.model.encoder_config import default_embedding_model_path, is_encoder_model
 from sluice.tokenizer.counters import RequestCounters
+from sluice.tokenizer.model_client import (
+    PROCESS_FAILURE,
+    ModelClient,
+    shutting_down_error,
+    unavailable_error,
+)
 from sluice.tokenizer.normalize import RequestError, queue_full_error
 from sluice.utils import ipc
 
-logger = logging.getLogger(__name__)
-
-CONTROL_TIMEOUT_S = 60.0
 NONE_VALUES = ("", "none", "None")
 # a model's `task` (its card's) → the routes it serves
 TASKS = {
@@ -195,7 +192,7 @@ class EmbeddingManager:
         self.is_healthy = False
         for fut in self.pending.values():
             if not fut.done():
-                fut.set_exception(_unavailable(message))
+                fut.set_exception(unavailable_error(message))
         self.pending.clear()
 
     def begin_shutdown(self) -> None:
@@ -448,12 +445,11 @@ class EmbeddingManager:
 
     def _check_healthy(self) -> None:
         if not self.is_healthy:
-            raise _unavailable("the server is shutting down after a process failure")
+            raise unavailable_error(PROCESS_FAILURE)
 
     def _check_accepting(self) -> None:
         if self.shutting_down:
-            self.counters.rejected["shutting_down"] += 1
-            raise RequestError("the server is shutting down", status_code=503, code="shutting_down")
+            raise shutting_down_error(self.counters)
 
     def shutdown_executor(self) -> None:
         if self._owns_executor:
@@ -461,25 +457,36 @@ class EmbeddingManager:
 
 
 class EncoderManager(EmbeddingManager):
-    """An extra encoder model's manager: it owns the sockets to its scheduler process and the
-    loop that receives from it."""
+    """An extra encoder model's manager: its ModelClient holds the sockets to its scheduler
+    process and the loop that receives from it. Its health is the client's."""
 
     def __init__(
         self, tokenizer: Any, addrs: ipc.IpcAddrs, info: dict[str, Any], max_queued: int = 0
     ) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._to_scheduler = ipc.push_socket(zmq.Context.shadow(self._ctx), addrs.scheduler_in)
-        self._recv_sock = ipc.pull_socket(self._ctx, addrs.tokenizer_in)
-        self._state_waiters: deque[asyncio.Future[InternalStateReply]] = deque()
-        self._loop_task: asyncio.Task[None] | None = None
-        # readiness, judged like the decoder's: when the encoder loop was last heard from
-        self.last_scheduler_contact = time.monotonic()
-        self.heartbeat_seen = False
+        # internal state is the only control call an encoder's manager makes
+        self.client = ModelClient(addrs, (InternalStateReply,), peer="encoder")
         # --max-queued-requests: beyond the batch the encoder runs at once plus this, a 429
         self._max_running, self._max_queued = int(info.get("max_running_requests", 0)), max_queued
         super().__init__(
-            tokenizer, info, self._send_to_scheduler, addrs.tokenizer_in, admit=self._admit_queued
+            tokenizer, info, self.client.send, self.client.reply_to, admit=self._admit_queued
         )
+        self.client.on(BatchEmbeddingOutput, self.on_output)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.client.is_healthy
+
+    @is_healthy.setter
+    def is_healthy(self, value: bool) -> None:
+        self.client.is_healthy = value
+
+    @property
+    def last_scheduler_contact(self) -> float:
+        return self.client.last_scheduler_contact
+
+    @property
+    def heartbeat_seen(self) -> bool:
+        return self.client.heartbeat_seen
 
     def _admit_queued(self, num_reqs: int) -> None:
         err = queue_full_error(len(self.pending), num_reqs, self._max_running, self._max_queued)
@@ -487,63 +494,17 @@ class EncoderManager(EmbeddingManager):
             self.counters.rejected["queue_full"] += 1
             raise err
 
-    def _send_to_scheduler(self, msg: Any) -> None:
-        ipc.send(self._to_scheduler, msg)
-
     def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+        self.client.start()
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        for sock in (self._to_scheduler, self._recv_sock):
-            sock.close(linger=0)
-        self._ctx.term()
+        await self.client.close()
         self.shutdown_executor()
 
     def on_child_death(self, message: str) -> None:
         super().on_child_death(message)
-        for fut in self._state_waiters:
-            if not fut.done():
-                fut.set_exception(_unavailable(message))
-        self._state_waiters.clear()
-
-    async def _handle_loop(self) -> None:
-        while True:
-            frames = await self._recv_sock.recv_multipart()
-            try:
-                self._dispatch(ipc.decode(frames))
-            except Exception:  # this loop must outlive any one bad message
-                logger.exception("failed to handle a message from the encoder")
-
-    def _dispatch(self, msg: Any) -> None:
-        self.last_scheduler_contact = time.monotonic()
-        if isinstance(msg, SchedulerHeartbeat):
-            self.heartbeat_seen = True
-        elif isinstance(msg, BatchEmbeddingOutput):
-            self.on_output(msg)
-        elif isinstance(msg, InternalStateReply):
-            if self._state_waiters:
-                fut = self._state_waiters.popleft()
-                if not fut.done():
-                    fut.set_result(msg)
-        else:
-            logger.debug("ignored a %s", type(msg).__name__)
+        self.client.on_child_death(message)
 
     async def get_internal_state(self) -> dict[str, Any]:
-        self._check_healthy()
-        fut = asyncio.get_running_loop().create_future()
-        self._send(GetInternalStateReq())  # first: a send that fails leaves no waiter in line
-        self._state_waiters.append(fut)
-        try:
-            reply = await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
-        except TimeoutError:  # 503, as the TokenizerManager's control calls
-            raise _unavailable(
-                f"the scheduler did not answer in {CONTROL_TIMEOUT_S:.0f} s"
-            ) from None
+        reply = await self.client.control(GetInternalStateReq(), InternalStateReply)
         return {**msgspec.structs.asdict(reply.state), "num_req_states": len(self.pending)}
-
-
-def _unavailable(message: str) -> RequestError:
-    return RequestError(message, status_code=503, code="service_unavailable")

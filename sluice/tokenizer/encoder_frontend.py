@@ -1,5 +1,5 @@
 """EncoderFrontend: the server's main model when `--model-path` is an encoder (BERT embedder or
-cross-encoder), standing where the TokenizerManager stands for a decoder.
+cross-encoder), standing where the TokenizerManager stands for a decoder (both are a MainModel).
 
 The encoder's requests go through its EncoderManager (which the app routes by `model` like any
 other encoder model); this object answers the rest of what the HTTP layer asks of a main model:

@@ -21,22 +21,20 @@ from a scheduler report that lags by a step.
 Pooled requests of the decoder (embeddings, next-token label scores) belong to
 `embedding_manager`, which this manager owns: it sends on this manager's scheduler socket, uses
 its tokenizer thread, and gets the BatchEmbeddingOutput that arrive here.
+
+The sockets, the receive loop, control calls and health are `client`'s (a ModelClient, as an
+encoder model's manager has); this class registers its handlers of the outputs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from sluice.aborts import SHUTDOWN_MESSAGE, aborted, shutdown, unavailable
 from sluice.config import ServerArgs
@@ -54,7 +52,6 @@ from sluice.messages import (
     OpenSessionReply,
     OpenSessionReq,
     SamplingParams,
-    SchedulerHeartbeat,
     SessionParams,
     SetPausedReq,
     TokenizedGenerateReqInput,
@@ -64,6 +61,7 @@ from sluice.tokenizer import chat
 from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.embedding_manager import EmbeddingManager, decoder_info
 from sluice.tokenizer.generate_input import GenerateReqInput
+from sluice.tokenizer.model_client import ModelClient, shutting_down_error
 from sluice.tokenizer.normalize import (
     Item,
     RequestError,
@@ -74,14 +72,16 @@ from sluice.tokenizer.normalize import (
 from sluice.tokenizer.req_state import ReqState, merge_update, output_dict
 from sluice.utils import ipc
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["ReqState", "RequestError", "TokenizerManager"]
 
-CONTROL_TIMEOUT_S = 60.0
+# the control replies of a decoder's scheduler this manager asks for
+CONTROL_REPLIES = (InternalStateReply, FlushCacheReply, OpenSessionReply)
 
 
 class TokenizerManager:
+    can_generate = True
+    manager = None  # MainModel's encoder manager: a decoder has none
+
     def __init__(
         self,
         args: ServerArgs,
@@ -100,54 +100,51 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.awaiting_echo: set[str] = set()  # rids ended here, their scheduler finish to come
         self.counters = RequestCounters()
-        self.is_healthy = True
         self.server_ready = False
         self.shutting_down = False  # set by begin_shutdown: no new requests
-        self.last_scheduler_contact = time.monotonic()  # any message, heartbeats included
-        self.heartbeat_seen = False  # a scheduler that sends none (an encoder's) is not judged
-        self._reply_to = addrs.tokenizer_in
-        self._async_ctx = zmq.asyncio.Context()
-        # sends never block (no high-water mark), so plain sockets do; one I/O thread for both
-        self._sync_ctx = zmq.Context.shadow(self._async_ctx)
-        self._to_scheduler = ipc.push_socket(self._sync_ctx, addrs.scheduler_in)
-        self._to_detokenizer = ipc.push_socket(self._sync_ctx, addrs.detokenizer_in)
-        self._recv_sock = ipc.pull_socket(self._async_ctx, addrs.tokenizer_in)
-        # replies arrive in request order, so each kind of control call is a FIFO of futures
-        self._state_waiters: deque[asyncio.Future[InternalStateReply]] = deque()
-        self._flush_waiters: deque[asyncio.Future[FlushCacheReply]] = deque()
-        self._session_waiters: deque[asyncio.Future[OpenSessionReply]] = deque()
+        # the scheduler and the detokenizer; outputs come back from the detokenizer
+        self.client = ModelClient(addrs, CONTROL_REPLIES, peer="detokenizer")
         # one thread: HF tokenizers are not safe to call concurrently
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self._loop_task: asyncio.Task[None] | None = None
         self.embedding_manager = EmbeddingManager(
             tokenizer,
             decoder_info(
                 self.model_name, min(self.context_len, self.max_total_tokens),
                 model_config.vocab_size, model_config.hidden_size,
             ),
-            send=lambda msg: ipc.send(self._to_scheduler, msg), reply_to=self._reply_to,
+            send=self.client.send, reply_to=self.client.reply_to,
             executor=self._executor, admit=self._admit_pooled,
         )  # fmt: skip
+        self.client.on(BatchStrOutput, self._handle_batch_output)
+        # the detokenizer passes them through unchanged
+        self.client.on(BatchEmbeddingOutput, self.embedding_manager.on_output)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.client.is_healthy
+
+    @property
+    def last_scheduler_contact(self) -> float:
+        return self.client.last_scheduler_contact
+
+    @property
+    def heartbeat_seen(self) -> bool:
+        return self.client.heartbeat_seen
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+        self.client.start()
         self.server_ready = True
 
     async def close(self) -> None:
         self.server_ready = False
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        for sock in (self._to_scheduler, self._to_detokenizer, self._recv_sock):
-            sock.close(linger=0)
-        self._async_ctx.term()
+        await self.client.close()
         self._executor.shutdown(wait=False)
 
     def on_child_death(self, message: str) -> None:
         """A child process is gone: fail every live request and control call with 503."""
-        self.is_healthy = False
+        self.client.on_child_death(message)
         reason = unavailable(message)
         for state in self.rid_to_state.values():
             state.finish(reason)
@@ -155,25 +152,20 @@ class TokenizerManager:
         self.rid_to_state.clear()
         self.awaiting_echo.clear()
         self.embedding_manager.on_child_death(message)
-        for waiters in (self._state_waiters, self._flush_waiters, self._session_waiters):
-            while waiters:
-                fut = waiters.popleft()
-                if not fut.done():
-                    fut.set_exception(_unavailable(message))
 
     # ---- generation -----------------------------------------------------------------------
 
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         """Yields one dict per update of one item (see module docstring); with stream=False
         only each item's final dict. Raises RequestError before anything is sent."""
-        self._check_healthy()
+        self.client.check_healthy()
         self._check_accepting()
         items = normalize(obj)
         self._check_admission(len(items))
         states = self._register(items, obj)
         try:
             reqs = await self._build_reqs(items, obj, states)
-            self._check_healthy()
+            self.client.check_healthy()
             self._send_unfinished(reqs, states)  # an item aborted while tokenizing stays here
             async for out in self._wait(states, obj.stream):
                 yield out
@@ -187,18 +179,17 @@ class TokenizerManager:
         if not live:
             return
         msg = live[0][0] if len(live) == 1 else BatchTokenizedGenerateReqInput([r for r, _ in live])
-        ipc.send(self._to_scheduler, msg)
+        self.client.send(msg)
         for _, state in live:
             state.is_sent = True
 
     def _check_accepting(self) -> None:
         if self.shutting_down:
-            self.counters.rejected["shutting_down"] += 1
-            raise _unavailable("the server is shutting down", code="shutting_down")
+            raise shutting_down_error(self.counters)
 
     def _admit_pooled(self, num_reqs: int) -> None:
         """The gate of the decoder's pooled requests: the same as a generation's."""
-        self._check_healthy()
+        self.client.check_healthy()
         self._check_accepting()
         self._check_admission(num_reqs)
 
@@ -245,7 +236,7 @@ class TokenizerManager:
                     rid=item.rid, input_ids=ids, sampling_params=item.params,
                     return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
                     top_logprobs_num=obj.top_logprobs_num, stream=obj.stream,
-                    session_params=session, timeout=obj.timeout, reply_to=self._reply_to,
+                    session_params=session, timeout=obj.timeout, reply_to=self.client.reply_to,
                     grammar_after_id=obj.grammar_after_id,
                     reasoning_start_id=obj.reasoning_start_id,
                 )
@@ -343,7 +334,7 @@ class TokenizerManager:
             del self.rid_to_state[state.rid]
         if state.is_sent and self.is_healthy:
             self.awaiting_echo.add(state.rid)
-            self._send_abort(AbortReq(rid=state.rid, reason=cause))
+            self.client.send_abort(AbortReq(rid=state.rid, reason=cause))
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
         """Abort one request (its rid, or the rid the client gave a batch / n > 1 request) or
@@ -384,36 +375,7 @@ class TokenizerManager:
         state.notify()
         self._end_here(state, cause)
 
-    def _send_abort(self, msg: AbortReq) -> None:
-        ipc.send(self._to_scheduler, msg)
-        ipc.send(self._to_detokenizer, msg)
-
-    # ---- receiving ------------------------------------------------------------------------
-
-    async def _handle_loop(self) -> None:
-        while True:
-            frames = await self._recv_sock.recv_multipart()
-            self.last_scheduler_contact = time.monotonic()
-            try:
-                self._dispatch(ipc.decode(frames))
-            except Exception:  # this loop must outlive any one bad message
-                logger.exception("failed to handle a message from the detokenizer")
-
-    def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, BatchStrOutput):
-            self._handle_batch_output(msg)
-        elif isinstance(msg, BatchEmbeddingOutput):
-            self.embedding_manager.on_output(msg)
-        elif isinstance(msg, InternalStateReply):
-            _resolve_first(self._state_waiters, msg)
-        elif isinstance(msg, FlushCacheReply):
-            _resolve_first(self._flush_waiters, msg)
-        elif isinstance(msg, OpenSessionReply):
-            _resolve_first(self._session_waiters, msg)
-        elif isinstance(msg, SchedulerHeartbeat):
-            self.heartbeat_seen = True  # its arrival is the news
-        else:
-            logger.error("dropped a message of unexpected type %s", type(msg).__name__)
+    # ---- receiving (handlers of self.client's loop) ----------------------------------------
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
         for i, rid in enumerate(out.rids):
@@ -468,7 +430,7 @@ class TokenizerManager:
     async def get_internal_state(self) -> dict[str, Any]:
         """Every process's view: the scheduler's queues and KV pool, the detokenizer's states
         and this process's rids (live ones and those awaiting an abort echo)."""
-        reply = await self._control(GetInternalStateReq(), self._state_waiters)
+        reply = await self.client.control(GetInternalStateReq(), InternalStateReply)
         state = msgspec.structs.asdict(reply.state)
         state["num_req_states"] = (
             len(self.rid_to_state) + len(self.awaiting_echo) + len(self.embedding_manager.pending)
@@ -487,54 +449,28 @@ class TokenizerManager:
         Raises RequestError (400) when the scheduler refuses it (e.g. the id is open)."""
         sid = session_id or uuid.uuid4().hex
         msg = OpenSessionReq(sid, float(timeout or 0.0), int(capacity_of_str_len or 0))
-        reply = await self._control(msg, self._session_waiters)
+        reply = await self.client.control(msg, OpenSessionReply)
         if not reply.success:
             raise RequestError(f"failed to open the session: {reply.message}", param="session_id")
         return reply.session_id
 
     def close_session(self, session_id: str) -> None:
         """Fire and forget; a turn sent after this call is rejected (one ordered socket)."""
-        self._check_healthy()
-        ipc.send(self._to_scheduler, CloseSessionReq(session_id))
+        self.client.check_healthy()
+        self.client.send(CloseSessionReq(session_id))
 
     def set_paused(self, paused: bool) -> None:
         """Fire and forget, ordered with the requests sent after it (one socket)."""
-        self._check_healthy()
-        ipc.send(self._to_scheduler, SetPausedReq(paused))
+        self.client.check_healthy()
+        self.client.send(SetPausedReq(paused))
 
     async def flush_cache(self) -> bool:
         """True if the radix cache was emptied; False (nothing done) while requests run."""
-        reply = await self._control(FlushCacheReq(), self._flush_waiters)
+        reply = await self.client.control(FlushCacheReq(), FlushCacheReply)
         return reply.success
-
-    async def _control(self, msg: Any, waiters: deque[asyncio.Future[Any]]) -> Any:
-        self._check_healthy()
-        fut = asyncio.get_running_loop().create_future()
-        # sent first: a message that fails to encode leaves no waiter to take another's reply
-        ipc.send(self._to_scheduler, msg)
-        waiters.append(fut)
-        try:
-            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
-        except TimeoutError:
-            raise _unavailable(
-                f"the scheduler did not answer in {CONTROL_TIMEOUT_S:.0f} s"
-            ) from None
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _check_healthy(self) -> None:
-        if not self.is_healthy:
-            raise _unavailable("the server is shutting down after a process failure")
-
-
-def _resolve_first(waiters: deque[asyncio.Future[Any]], reply: Any) -> None:
-    if not waiters:
-        logger.warning("dropped an unexpected %s", type(reply).__name__)
-        return
-    fut = waiters.popleft()
-    if not fut.done():  # a caller that timed out leaves its done future in line
-        fut.set_result(reply)
 
 
 def _session_params(params: dict[str, Any] | None) -> SessionParams | None:
@@ -551,7 +487,3 @@ def _session_params(params: dict[str, Any] | None) -> SessionParams | None:
 
 def _context_error(message: str) -> RequestError:
     return RequestError(message, code="context_length_exceeded", param="messages")
-
-
-def _unavailable(message: str, code: str = "service_unavailable") -> RequestError:
-    return RequestError(message, status_code=503, code=code)

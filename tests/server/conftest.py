@@ -65,6 +65,14 @@ class FakeTokenizerManager:
     server_ready: bool = True
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     model_config: Any = None
+    # the rest of MainModel's attributes, as for a decoder that never sent a heartbeat
+    can_generate: bool = True
+    embedding_manager: Any = None
+    manager: Any = None
+    counters: Any = None
+    shutting_down: bool = False
+    last_scheduler_contact: float = 0.0
+    heartbeat_seen: bool = False
     requests: list[GenerateReqInput] = field(default_factory=list)
     num_closed: int = 0
     fail_with: Exception | None = None  # raised before anything is yielded

@@ -239,7 +239,8 @@ def test_info_routes_without_a_model_config(make_client: Any) -> None:
 
 def test_model_type_is_none_for_a_broken_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("[not json")
-    tm = type("TM", (), {"context_len": 8, "model_config": _FakeModelConfig("x", str(tmp_path))})
+    cfg = _FakeModelConfig("x", str(tmp_path))
+    tm = type("TM", (), {"context_len": 8, "model_config": cfg, "can_generate": True})
     assert model_info(tm(), None, "m")["model_type"] is None
 
 

@@ -1,0 +1,123 @@
+"""ModelClient over real ZMQ sockets, with the test standing in for the model's processes: it
+reads what the client sends and pushes outputs, replies and heartbeats back."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from sluice.messages import (
+    AbortReq,
+    FlushCacheReply,
+    FlushCacheReq,
+    OpenSessionReply,
+    OpenSessionReq,
+    SchedulerHeartbeat,
+    SetPausedReq,
+)
+from sluice.tokenizer.model_client import ModelClient
+from sluice.tokenizer.normalize import RequestError
+from sluice.utils import ipc
+
+REPLIES = (FlushCacheReply, OpenSessionReply)
+
+
+@dataclasses.dataclass
+class Peer:
+    """The model's end: what the scheduler and detokenizer got, and a socket back."""
+
+    addrs: ipc.IpcAddrs
+    scheduler: zmq.Socket
+    detokenizer: zmq.Socket
+    back: zmq.Socket | None = None
+
+    def received(self, sock: zmq.Socket) -> list[Any]:
+        return [ipc.decode(f) for f in ipc.recv_all(sock, 100)]
+
+
+@pytest.fixture
+def peer() -> Iterator[Peer]:
+    addrs = ipc.IpcAddrs.create()
+    ctx = zmq.Context()
+    p = Peer(
+        addrs, ipc.pull_socket(ctx, addrs.scheduler_in), ipc.pull_socket(ctx, addrs.detokenizer_in)
+    )
+    try:
+        yield p
+    finally:
+        for sock in (p.scheduler, p.detokenizer, p.back):
+            if sock is not None:
+                sock.close(linger=0)
+        ctx.term()
+        addrs.remove()
+
+
+async def _started(peer: Peer, addrs: ipc.IpcAddrs | None = None) -> ModelClient:
+    client = ModelClient(addrs or peer.addrs, REPLIES, peer="detokenizer")
+    client.start()
+    peer.back = ipc.push_socket(zmq.Context.instance(), client.reply_to)
+    return client
+
+
+def test_outputs_go_to_their_handler_and_replies_to_their_callers_in_order(peer: Peer) -> None:
+    async def go() -> None:
+        client = await _started(peer)
+        got: list[Any] = []
+        client.on(SetPausedReq, got.append)  # any message type may be an output type
+        first = asyncio.create_task(client.control(FlushCacheReq(), FlushCacheReply))
+        second = asyncio.create_task(client.control(FlushCacheReq(), FlushCacheReply))
+        await asyncio.sleep(0.05)
+        assert peer.received(peer.scheduler) == [FlushCacheReq(), FlushCacheReq()]
+        assert not client.heartbeat_seen
+        for msg in (FlushCacheReply(True), SetPausedReq(True), FlushCacheReply(False)):
+            ipc.send(peer.back, msg)
+        ipc.send(peer.back, SchedulerHeartbeat(0, 0))
+        assert await asyncio.wait_for(first, 5) == FlushCacheReply(True)
+        assert await asyncio.wait_for(second, 5) == FlushCacheReply(False)
+        await asyncio.sleep(0.05)
+        assert got == [SetPausedReq(True)] and client.heartbeat_seen
+        await client.close()
+
+    asyncio.run(go())
+
+
+def test_child_death_fails_waiting_calls_and_refuses_new_ones(peer: Peer) -> None:
+    async def go() -> None:
+        client = await _started(peer)
+        call = asyncio.create_task(client.control(OpenSessionReq("s", 0.0, 0), OpenSessionReply))
+        await asyncio.sleep(0.05)
+        client.on_child_death("the scheduler process died")
+        with pytest.raises(RequestError) as info:
+            await asyncio.wait_for(call, 5)
+        assert (info.value.status_code, info.value.message) == (503, "the scheduler process died")
+        assert not client.is_healthy
+        with pytest.raises(RequestError) as info:
+            await client.control(FlushCacheReq(), FlushCacheReply)
+        assert info.value.status_code == 503
+        await client.close()
+
+    asyncio.run(go())
+
+
+def test_aborts_reach_the_detokenizer_only_where_there_is_one(peer: Peer) -> None:
+    async def go() -> None:
+        client = await _started(peer)
+        client.send_abort(AbortReq(rid="a"))
+        assert peer.received(peer.scheduler) == [AbortReq(rid="a")]
+        assert peer.received(peer.detokenizer) == [AbortReq(rid="a")]
+        await client.close()
+        # an encoder's scheduler answers straight to the client: no detokenizer
+        addrs = dataclasses.replace(peer.addrs, detokenizer_in=peer.addrs.tokenizer_in)
+        peer.back.close(linger=0)
+        encoder = await _started(peer, addrs)
+        encoder.send_abort(AbortReq(rid="b"))
+        assert peer.received(peer.scheduler) == [AbortReq(rid="b")]
+        assert peer.received(peer.detokenizer) == []
+        await encoder.close()
+
+    asyncio.run(go())

@@ -135,14 +135,8 @@ class ReasoningStream:
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """DeepSeek-R1 (and templates like it) put `<think>` into the prompt."""
 
-    def __init__(
-        self,
-        start: str = "<think>",
-        end: str = "</think>",
-        starts_in_reasoning: bool = True,
-        enabled: bool = True,
-    ) -> None:
-        super().__init__(start, end, starts_in_reasoning, enabled)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"starts_in_reasoning": True, **kwargs})
 
 
 class Qwen3ReasoningParser(ReasoningParser):

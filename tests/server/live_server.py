@@ -134,6 +134,16 @@ def running_server(
         srv.stop()
 
 
+@contextlib.contextmanager
+def default_chat_server(tmp_path_factory: Any, name: str) -> Iterator[LiveServer]:
+    """The default chat model alone (no embedding model), in float32 (outputs are compared
+    across batch shapes and with streaming), an 8192-token KV pool, the cores available."""
+    args = ["--max-total-tokens", "8192", "--log-level", "warning", "--no-embedding-model",
+            "--dtype", "float32"]  # fmt: skip
+    with running_server(None, args, tmp_path_factory.mktemp(name) / "server.log", None) as srv:
+        yield srv
+
+
 def is_idle(state: dict[str, Any]) -> bool:
     return (
         state["num_running_reqs"] + state["num_waiting_reqs"] + state["num_req_states"]

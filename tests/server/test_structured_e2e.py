@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from tests.server.live_server import LiveServer, assert_no_state_left, running_server
+from tests.server.live_server import LiveServer, assert_no_state_left, default_chat_server
 
 openai = pytest.importorskip("openai")
 
@@ -36,10 +36,7 @@ ASK = [{"role": "user", "content": "Describe a person who lives in a big city, a
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    args = ["--max-total-tokens", "8192", "--log-level", "warning", "--no-embedding-model",
-            "--dtype", "float32"]  # fmt: skip
-    log = tmp_path_factory.mktemp("structured") / "server.log"
-    with running_server(None, args, log, num_threads=None) as srv:
+    with default_chat_server(tmp_path_factory, "structured") as srv:
         yield srv
 
 

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.live_server import LiveServer, assert_no_state_left, running_server
+from tests.server.live_server import LiveServer, assert_no_state_left, default_chat_server
 
 openai = pytest.importorskip("openai")
 
@@ -42,10 +42,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    args = ["--max-total-tokens", "8192", "--log-level", "warning", "--no-embedding-model",
-            "--dtype", "float32"]  # fmt: skip
-    log = tmp_path_factory.mktemp("tools") / "server.log"
-    with running_server(None, args, log, num_threads=None) as srv:
+    with default_chat_server(tmp_path_factory, "tools") as srv:
         yield srv
 
 

@@ -28,7 +28,7 @@ import uvicorn
 
 from sluice.config import ServerArgs
 from sluice.detokenizer.process import run_detokenizer_process
-from sluice.messages import ReadyMsg
+from sluice.messages import ModelInfo, ReadyMsg
 from sluice.model.encoder_config import EncoderConfig, is_encoder_model, load_encoder_config
 from sluice.scheduler.process import run_scheduler_process
 from sluice.tokenizer.embedding_manager import (
@@ -103,7 +103,7 @@ class ServingProcesses:
         self._watchdog = asyncio.create_task(self._watch())
         return self.tm
 
-    def _start_managers(self, cfg: Any, tokenizer: Any, info: dict[str, Any]) -> None:
+    def _start_managers(self, cfg: Any, tokenizer: Any, info: ModelInfo | None) -> None:
         for spec, enc_info in zip(self._encoders, self._encoder_infos, strict=True):
             self.embedders.append(start_manager(spec, enc_info))
             self.embedders[-1].start()
@@ -115,9 +115,8 @@ class ServingProcesses:
             logger.info(
                 "model %s: context %s tokens, KV pool %s tokens, up to %s running requests, "
                 "%s on %s with %s threads",
-                self.tm.model_name, info["context_len"], info["max_total_tokens"],
-                info["max_running_requests"], info["dtype"], info["device"],
-                info["num_threads"],
+                self.tm.model_name, info.context_len, info.max_total_tokens,
+                info.max_running_requests, info.dtype, info.device, info.num_threads,
             )  # fmt: skip
 
     async def __aexit__(self, *exc: object) -> None:
@@ -132,7 +131,7 @@ class ServingProcesses:
 
     # ---- start and stop (blocking) ---------------------------------------------------------
 
-    def _start(self) -> tuple[Any, Any, dict[str, Any]]:
+    def _start(self) -> tuple[Any, Any, ModelInfo | None]:
         """(model config, tokenizer, scheduler info) of the main model; for an encoder main
         model (EncoderConfig) the tokenizer and info are its manager's, made later."""
         from sluice.model.loader import load_model_config
@@ -155,7 +154,7 @@ class ServingProcesses:
         tokenizer = None if main_is_encoder else get_tokenizer(cfg.hf_dir)  # while they start
         ready = self._wait_ready()
         self._start_embedders(ready)
-        return cfg, tokenizer, {} if main_is_encoder else dict(ready["scheduler"].info)
+        return cfg, tokenizer, None if main_is_encoder else ready["scheduler"].info
 
     def _spawn_encoders(self, ctx: Any) -> None:
         """One scheduler process per extra encoder model (embedding, rerank)."""
@@ -170,12 +169,12 @@ class ServingProcesses:
         from sluice.utils.tokenizer import get_tokenizer
 
         for spec in self._encoders:
-            info = dict(ready[spec.name].info)
-            get_tokenizer(str(info["hf_dir"]))  # loaded here, off the event loop, and cached
+            info = ready[spec.name].info
+            get_tokenizer(info.hf_dir)  # loaded here, off the event loop, and cached
             self._encoder_infos.append(info)
             logger.info(
                 "%s model %s: context %s tokens, %s dimensions, %s threads", spec.name,
-                info["model_name"], info["context_len"], info["dimensions"], info["num_threads"],
+                info.model_name, info.context_len, info.dimensions, info.num_threads,
             )  # fmt: skip
 
     def _spawn(self, ctx: Any, name: str, target: Callable[..., None], *args: Any) -> None:

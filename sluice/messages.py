@@ -209,11 +209,27 @@ class SchedulerHeartbeat(msgspec.Struct):
     num_waiting_reqs: int
 
 
+class ModelInfo(msgspec.Struct, omit_defaults=True):
+    """What a model process reports when it is ready: its settings as resolved at start-up."""
+
+    model_name: str
+    hf_dir: str
+    context_len: int
+    vocab_size: int
+    task: str = "generate"  # "generate" | "embed" | "rerank"
+    dimensions: int = 0  # width of a pooled vector (an embedding; the decoder's hidden size)
+    max_total_tokens: int = 0  # the KV pool; 0: none (an encoder)
+    max_running_requests: int = 0
+    num_threads: int = 0
+    device: str = ""
+    dtype: str = ""
+
+
 class ReadyMsg(msgspec.Struct):
-    """A child process's start-up handshake."""
+    """A child process's start-up handshake (`info`: a model process's, when it is one)."""
 
     process: str
-    info: dict[str, int | float | str] = {}
+    info: ModelInfo | None = None
     error: str | None = None
 
 

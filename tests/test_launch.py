@@ -25,6 +25,7 @@ from sluice.launch import ServingProcesses
 from sluice.messages import (
     AbortReq,
     BatchTokenizedGenerateReqInput,
+    ModelInfo,
     ReadyMsg,
     SamplingParams,
     TokenizedGenerateReqInput,
@@ -54,7 +55,12 @@ def test_messages_roundtrip_typed_and_malformed_frames_are_rejected() -> None:
         rid="r", input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4, stop=["x"])
     )
     batch = BatchTokenizedGenerateReqInput([req, req])
-    for msg in (req, batch, AbortReq(rid="r"), ReadyMsg("scheduler", info={"a": 1})):
+    for msg in (
+        req,
+        batch,
+        AbortReq(rid="r"),
+        ReadyMsg("scheduler", info=ModelInfo("m", "/d", 8, 16)),
+    ):
         frames = ipc.encode(msg)
         assert frames[0] == type(msg).__name__.encode()
         assert ipc.decode(frames) == msg

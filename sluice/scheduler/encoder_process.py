@@ -11,6 +11,7 @@ from typing import Any
 
 from sluice.config import ServerArgs
 from sluice.messages import (
+    ModelInfo,
     SchedulerHeartbeat,
     TokenizedGenerateReqInput,
 )
@@ -64,14 +65,12 @@ class EncoderCore(SchedulerCore):
             runner, cfg.vocab_size, context_len, args.max_prefill_tokens, max_batch_reqs,
             waiting_timeout=args.waiting_timeout, running_timeout=args.running_timeout,
         )  # fmt: skip
-        info: dict[str, int | float | str] = {
-            "model_name": cfg.model_name, "hf_dir": cfg.hf_dir, "context_len": context_len,
-            "max_total_tokens": 0, "max_running_requests": max_batch_reqs,
-            "num_threads": num_threads, "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "vocab_size": cfg.vocab_size,
-            "task": "rerank" if cfg.is_cross_encoder else "embed",
-            "dimensions": runner.output_dim,
-        }  # fmt: skip
+        info = ModelInfo(
+            model_name=cfg.model_name, hf_dir=cfg.hf_dir, context_len=context_len,
+            vocab_size=cfg.vocab_size, task="rerank" if cfg.is_cross_encoder else "embed",
+            dimensions=runner.output_dim, max_running_requests=max_batch_reqs,
+            num_threads=num_threads, device=str(device), dtype=str(dtype).removeprefix("torch."),
+        )  # fmt: skip
         return cls(scheduler, info)
 
     def step(self) -> list[Any]:

@@ -33,6 +33,7 @@ from sluice.messages import (
     FlushCacheReq,
     GetInternalStateReq,
     InternalStateReply,
+    ModelInfo,
     OpenSessionReply,
     OpenSessionReq,
     SamplingParams,
@@ -55,7 +56,7 @@ EMBEDDING_REQ_TYPES = (b"TokenizedEmbeddingReqInput", b"BatchTokenizedEmbeddingR
 class ModelCore(Protocol):
     """One model's scheduler as the loop drives it."""
 
-    def info(self) -> dict[str, int | float | str]: ...
+    def info(self) -> ModelInfo: ...
     def has_work(self) -> bool: ...
     def is_paused(self) -> bool: ...
     def step(self) -> list[Any]:
@@ -86,11 +87,11 @@ class SchedulerCore:
     `set_paused`, `abort`, `internal_state` and `flush_cache`. A kind adds its own messages in
     `handle_own` and its housekeeping in `tick`."""
 
-    def __init__(self, scheduler: Any, info: dict[str, int | float | str]) -> None:
+    def __init__(self, scheduler: Any, info: ModelInfo) -> None:
         self.scheduler = scheduler
         self._info = info
 
-    def info(self) -> dict[str, int | float | str]:
+    def info(self) -> ModelInfo:
         return self._info
 
     def has_work(self) -> bool:
@@ -138,7 +139,7 @@ class ModelLoop:
         send_sock = ipc.push_socket(ctx, addrs.detokenizer_in)
         return cls(core, recv_sock, send_sock, ipc.HeartbeatTimer(health_timeout))
 
-    def info(self) -> dict[str, int | float | str]:
+    def info(self) -> ModelInfo:
         return self.core.info()
 
     def run_forever(self) -> None:

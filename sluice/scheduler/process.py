@@ -12,6 +12,7 @@ from typing import Any
 from sluice.config import ServerArgs
 from sluice.messages import (
     CloseSessionReq,
+    ModelInfo,
     OpenSessionReq,
     SchedulerHeartbeat,
     TokenizedEmbeddingReqInput,
@@ -53,13 +54,13 @@ class DecoderCore(SchedulerCore):
         cfg = load_model_config(args.model_path)
         res = resolve_resources(args, cfg)
         torch.set_num_threads(res.num_threads)
-        info = {
-            "model_name": cfg.model_name, "hf_dir": cfg.hf_dir,
-            "context_len": res.context_len, "max_total_tokens": res.max_total_tokens,
-            "max_running_requests": res.max_running_requests, "num_threads": res.num_threads,
-            "device": str(res.device), "dtype": str(res.dtype).removeprefix("torch."),
-            "vocab_size": cfg.vocab_size,
-        }  # fmt: skip
+        info = ModelInfo(
+            model_name=cfg.model_name, hf_dir=cfg.hf_dir, context_len=res.context_len,
+            vocab_size=cfg.vocab_size, dimensions=cfg.hidden_size,
+            max_total_tokens=res.max_total_tokens, max_running_requests=res.max_running_requests,
+            num_threads=res.num_threads, device=str(res.device),
+            dtype=str(res.dtype).removeprefix("torch."),
+        )  # fmt: skip
         return cls(Scheduler(args, cfg, get_tokenizer(cfg.hf_dir), res), info)
 
     def step(self) -> list[Any]:

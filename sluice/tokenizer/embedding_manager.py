@@ -46,6 +46,7 @@ from sluice.messages import (
     FinishReason,
     GetInternalStateReq,
     InternalStateReply,
+    ModelInfo,
     SetPausedReq,
     TokenizedEmbeddingReqInput,
 )
@@ -123,25 +124,22 @@ def _embedding_path(args: ServerArgs) -> str | None:
     return args.embedding_model_path
 
 
-def start_manager(spec: EncoderSpec, info: dict[str, Any]) -> EncoderManager:
+def start_manager(spec: EncoderSpec, info: ModelInfo) -> EncoderManager:
     """The manager of a ready encoder child (blocking: loads the tokenizer). The main model
     answers to --served-model-name."""
     from sluice.utils.tokenizer import get_tokenizer
 
     if spec.args.served_model_name:
-        info = {**info, "model_name": spec.args.served_model_name}
-    tokenizer = get_tokenizer(str(info["hf_dir"]))
+        info = msgspec.structs.replace(info, model_name=spec.args.served_model_name)
+    tokenizer = get_tokenizer(info.hf_dir)
     return EncoderManager(tokenizer, spec.addrs, info, spec.args.max_queued_requests)
 
 
-def decoder_info(
-    model_name: str, context_len: int, vocab_size: int, hidden_size: int
-) -> dict[str, Any]:
-    """The `info` of the decoder's manager: vectors are last-token hidden states."""
-    return {
-        "model_name": model_name, "task": "generate", "context_len": context_len,
-        "vocab_size": vocab_size, "dimensions": hidden_size,
-    }  # fmt: skip
+def decoder_info(info: ModelInfo, model_name: str) -> ModelInfo:
+    """The `info` of the decoder's pooled requests: vectors are last-token hidden states; a
+    prompt fits the context and the KV pool."""
+    context_len = min(info.context_len, info.max_total_tokens)
+    return msgspec.structs.replace(info, model_name=model_name, context_len=context_len)
 
 
 class EmbeddingManager:
@@ -152,19 +150,19 @@ class EmbeddingManager:
     def __init__(
         self,
         tokenizer: Any,
-        info: dict[str, Any],
+        info: ModelInfo,
         send: Callable[[Any], None],
         reply_to: str,
         executor: ThreadPoolExecutor | None = None,
         admit: Callable[[int], None] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.model_name = str(info["model_name"])
-        self.task = str(info["task"])  # "embed" | "rerank" | "generate"
+        self.model_name = info.model_name
+        self.task = info.task  # "embed" | "rerank" | "generate"
         self.tasks = TASKS[self.task]
-        self.context_len = int(info["context_len"])
-        self.vocab_size = int(info["vocab_size"])
-        self.dimensions = int(info["dimensions"])
+        self.context_len = info.context_len
+        self.vocab_size = info.vocab_size
+        self.dimensions = info.dimensions
         self.is_healthy = True
         self.shutting_down = False  # set by begin_shutdown: new calls get 503
         self.pending: dict[str, asyncio.Future[tuple[bytes, int, FinishReason]]] = {}
@@ -461,12 +459,12 @@ class EncoderManager(EmbeddingManager):
     process and the loop that receives from it. Its health is the client's."""
 
     def __init__(
-        self, tokenizer: Any, addrs: ipc.IpcAddrs, info: dict[str, Any], max_queued: int = 0
+        self, tokenizer: Any, addrs: ipc.IpcAddrs, info: ModelInfo, max_queued: int = 0
     ) -> None:
         # internal state is the only control call an encoder's manager makes
         self.client = ModelClient(addrs, (InternalStateReply,), peer="encoder")
         # --max-queued-requests: beyond the batch the encoder runs at once plus this, a 429
-        self._max_running, self._max_queued = int(info.get("max_running_requests", 0)), max_queued
+        self._max_running, self._max_queued = info.max_running_requests, max_queued
         super().__init__(
             tokenizer, info, self.client.send, self.client.reply_to, admit=self._admit_queued
         )

@@ -49,6 +49,7 @@ from sluice.messages import (
     FlushCacheReq,
     GetInternalStateReq,
     InternalStateReply,
+    ModelInfo,
     OpenSessionReply,
     OpenSessionReq,
     SamplingParams,
@@ -88,14 +89,14 @@ class TokenizerManager:
         model_config: ModelConfig,
         tokenizer: Any,
         addrs: ipc.IpcAddrs,
-        scheduler_info: dict[str, Any],
+        scheduler_info: ModelInfo,
     ) -> None:
         self.args = args
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.context_len: int = int(scheduler_info["context_len"])
-        self.max_total_tokens: int = int(scheduler_info["max_total_tokens"])
-        self.max_running_requests: int = int(scheduler_info.get("max_running_requests", 0))
+        self.context_len = scheduler_info.context_len
+        self.max_total_tokens = scheduler_info.max_total_tokens
+        self.max_running_requests = scheduler_info.max_running_requests
         self.model_name: str = args.served_model_name or model_config.model_name
         self.rid_to_state: dict[str, ReqState] = {}
         self.awaiting_echo: set[str] = set()  # rids ended here, their scheduler finish to come
@@ -108,10 +109,7 @@ class TokenizerManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.embedding_manager = EmbeddingManager(
             tokenizer,
-            decoder_info(
-                self.model_name, min(self.context_len, self.max_total_tokens),
-                model_config.vocab_size, model_config.hidden_size,
-            ),
+            decoder_info(scheduler_info, self.model_name),
             send=self.client.send, reply_to=self.client.reply_to,
             executor=self._executor, admit=self._admit_pooled,
         )  # fmt: skip

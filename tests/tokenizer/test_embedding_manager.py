@@ -16,6 +16,7 @@ from sluice.messages import (
     BatchEmbeddingOutput,
     BatchTokenizedEmbeddingReqInput,
     FinishReason,
+    ModelInfo,
     TokenizedEmbeddingReqInput,
 )
 from sluice.tokenizer.embedding_manager import EmbeddingManager, Encoded
@@ -26,7 +27,7 @@ ENCODED = [Encoded([1, 2, 3]), Encoded([4, 5])]
 
 def make_manager(task: str) -> tuple[EmbeddingManager, list[Any]]:
     sent: list[Any] = []
-    info = {"model_name": "m", "task": task, "context_len": 16, "vocab_size": 32, "dimensions": 2}
+    info = ModelInfo("m", "", context_len=16, vocab_size=32, task=task, dimensions=2)
     return EmbeddingManager(None, info, sent.append, reply_to="ipc://test"), sent
 
 
@@ -196,8 +197,10 @@ def test_an_encoder_model_refuses_past_max_queued_requests_with_429() -> None:
 
     async def go() -> None:
         addrs = ipc.IpcAddrs.create()
-        info = {"model_name": "m", "task": "embed", "context_len": 16, "vocab_size": 32,
-                "dimensions": 2, "max_running_requests": 3}  # fmt: skip
+        info = ModelInfo(
+            "m", "", context_len=16, vocab_size=32, task="embed", dimensions=2,
+            max_running_requests=3,
+        )  # fmt: skip
         manager = EncoderManager(None, addrs, info, max_queued=1)
         try:
             tasks = await start_calls(manager, 2)  # 4 in flight = 3 running + 1 queued: fits

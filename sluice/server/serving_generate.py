@@ -77,6 +77,9 @@ class ServingGenerate:
                 if not await prime_until_disconnect(raw_request, stream, keepalive):
                     await stream.aclose()
                     return Response(status_code=CLIENT_CLOSED)
+                rejected = stream.rejected()  # e.g. a grammar that does not compile: its 4xx
+                if rejected is not None:
+                    raise rejected
                 n = _num_samples(obj.sampling_params)
                 body = self._sse_body(stream, obj.return_logprob, is_list, n)
                 return SSEResponse(body, on_close=stream.aclose)

@@ -71,9 +71,9 @@ class EncoderFrontend:
             param="model",
         )
 
-    async def generate_request(self, obj: Any) -> AsyncIterator[dict[str, Any]]:
+    def generate_request(self, obj: Any) -> AsyncIterator[dict[str, Any]]:
+        """Refuses at the call, before any stream exists (the routes answer 400)."""
         raise self._cannot_generate()
-        yield {}  # unreachable: makes this an async generator, like the TokenizerManager's
 
     def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
         raise self._cannot_generate()

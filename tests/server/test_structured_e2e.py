@@ -147,6 +147,13 @@ def test_bad_grammars_are_400(client: openai.OpenAI, stream: bool) -> None:
         assert named in info.value.message, (kw, info.value.message)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_native_generate_answers_a_bad_grammar_with_400(live: LiveServer, stream: bool) -> None:
+    body = {"text": "x", "stream": stream, "sampling_params": {"regex": "((", "max_new_tokens": 4}}
+    resp = httpx.post(f"{live.base}/generate", json=body, timeout=60)
+    assert resp.status_code == 400 and "regex" in resp.json()["error"]["message"]
+
+
 def test_zz_nothing_left_behind(live: LiveServer) -> None:
     state = live.wait_idle()
     assert_no_state_left(state)

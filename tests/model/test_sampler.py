@@ -126,11 +126,13 @@ def test_frequency_presence_penalty_and_logit_bias_are_exact():
     torch.testing.assert_close(got, want)
 
 
-def test_min_new_tokens_blocks_until_reached():
+def test_blocked_tokens_are_blocked_in_their_rows_only():
+    """The caller (the batch) blocks the stop ids of rows below min_new_tokens; a row it
+    passes no ids for (here the last, which reached min_new_tokens) is left as it is."""
     logits = BASE_LOGITS.repeat(3, 1)
     params = [SamplingParams(temperature=0.0, min_new_tokens=2)] * 3
-    outputs = [[], [5], [5, 5]]  # the last row has reached min_new_tokens
-    info = build(params, outputs=outputs, blocked=[[0, 1]] * 3)
+    outputs = [[], [5], [5, 5]]
+    info = build(params, outputs=outputs, blocked=[[0, 1], [0, 1], []])
     got = apply_logit_processors(logits, info)
     assert bool(torch.isinf(got[:2, :2]).all()) and bool((got[:2, :2] < 0).all())
     torch.testing.assert_close(got[2], BASE_LOGITS)

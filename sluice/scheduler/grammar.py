@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 
+from sluice.aborts import internal_error
+from sluice.messages import FinishReason
+
 logger = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # the SamplingParams fields that carry one
@@ -261,3 +264,29 @@ def _llguidance_grammar(kind: str, text: str) -> str:
 def _grammar_error(kind: str, error: str) -> str:
     error = " ".join(error.split())
     return f"the {kind} grammar could not be compiled: {error[:500]}"
+
+
+def advance_grammar(
+    req: Any, token: int, reason: FinishReason | None, eos_ids: frozenset[int]
+) -> FinishReason | None:
+    """A constrained request's grammar phase after `token` (it may change the finish reason):
+    an optional reasoning opens or is skipped (first token), the reasoning ends, or the grammar
+    consumes the token. A grammar that takes nothing more ends the request with "stop" (an EOS
+    that ended it is the stop matched, so it is trimmed from the text even with ignore_eos);
+    a token the grammar refuses is a 500."""
+    if req.reasoning_start_id >= 0:
+        opened = token == req.reasoning_start_id
+        req.reasoning_start_id = -1
+        if opened:
+            return reason
+        req.grammar_after_id = -1  # no reasoning: this token is the grammar's first
+    if req.grammar_after_id >= 0:
+        if token == req.grammar_after_id:  # the reasoning ended: the grammar starts now
+            req.grammar_after_id = -1
+        return reason
+    error = req.grammar.accept(token)
+    if error is not None:
+        return internal_error(f"the sampled token broke the grammar: {error}")
+    if reason is None and req.grammar.is_terminated:
+        return FinishReason(type="stop", matched=token if token in eos_ids else None)
+    return reason

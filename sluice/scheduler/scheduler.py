@@ -49,7 +49,7 @@ from sluice.scheduler.batch import (
     plan_prefill,
 )
 from sluice.scheduler.finish import FinishChecker
-from sluice.scheduler.grammar import GrammarManager, grammar_key
+from sluice.scheduler.grammar import GrammarManager, advance_grammar, grammar_key
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sluice.scheduler.output import build_embedding_output, build_output
 from sluice.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting
@@ -387,25 +387,10 @@ class Scheduler:
             req.first_token_time = time.monotonic()
         reason = self.finish_checker.check(req)
         if req.grammar is not None:
-            reason = self._advance_grammar(req, token, reason)
+            reason = advance_grammar(req, token, reason, self.eos_ids)
         self.touched.append(req)
         if reason is not None:
             self.finish(req, reason)
-
-    def _advance_grammar(self, req: Req, token: int, reason: FinishReason | None):
-        """The grammar phase after `token`: an optional reasoning opens or is skipped (first
-        token), the reasoning ends, or the grammar consumes the token."""
-        if req.reasoning_start_id >= 0:
-            opened = token == req.reasoning_start_id
-            req.reasoning_start_id = -1
-            if opened:
-                return reason
-            req.grammar_after_id = -1  # no reasoning: this token is the grammar's first
-        if req.grammar_after_id >= 0:
-            if token == req.grammar_after_id:  # the reasoning ended: the grammar starts now
-                req.grammar_after_id = -1
-            return reason
-        return _grammar_finish(req, token, reason, self.eos_ids)
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
@@ -548,20 +533,6 @@ class Scheduler:
         self.tree.reset()
         self.allocator.clear()
         return True
-
-
-def _grammar_finish(
-    req: Req, token: int, reason: FinishReason | None, eos_ids: frozenset[int]
-) -> FinishReason | None:
-    """Advance the request's grammar by `token`: a grammar that takes nothing more ends the
-    request with "stop" (unless it ends anyway; an EOS that ended it is the stop matched, so
-    it is trimmed from the text even with ignore_eos); a token the grammar refuses is a 500."""
-    error = req.grammar.accept(token)
-    if error is not None:
-        return internal_error(f"the sampled token broke the grammar: {error}")
-    if reason is None and req.grammar.is_terminated:
-        return FinishReason(type="stop", matched=token if token in eos_ids else None)
-    return reason
 
 
 def _abort_reason(cause: str) -> FinishReason:

@@ -8,30 +8,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sluice.model.forward_batch import ForwardBatch, ForwardMode
+from sluice.model.attention import (
+    AttentionBackend,
+    AttentionLayer,
+    CpuKernelAttention,
+    SdpaAttention,
+    pick_backend,
+)
+from sluice.model.attention import cuda_sdpa_backends as cuda_sdpa_backends  # re-exported
+from sluice.model.forward_batch import ForwardBatch
 from sluice.model.kv_cache import KVCache
-from sluice.utils import envs
-
-_SDPA_BACKENDS = {
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "math": SDPBackend.MATH,
-}
-
-
-def cuda_sdpa_backends() -> list[SDPBackend]:
-    """The SDPA kernels allowed on CUDA, from SLUICE_CUDA_SDPA."""
-    names = [n.strip() for n in (envs.get_str("SLUICE_CUDA_SDPA") or "").split(",") if n.strip()]
-    unknown = [n for n in names if n not in _SDPA_BACKENDS]
-    if unknown or not names:
-        raise ValueError(
-            f"SLUICE_CUDA_SDPA={','.join(names)!r}: give a comma-separated list of "
-            f"{', '.join(_SDPA_BACKENDS)}"
-        )
-    return [_SDPA_BACKENDS[n] for n in names]
 
 
 class RMSNorm(nn.Module):
@@ -196,77 +183,32 @@ def pack_linears(model: nn.Module) -> int:
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the pool, then attends over each request's slots.
-
-    On CPU, sluice's C++ kernels (`cpu_ops`) read each request's K/V rows in place, query by
-    query: decode, and prefills whose padded attention would be mostly masked (several prompts of
-    different lengths). Dense prefills (one prompt, or a long chunk on a long prefix) run
-    PyTorch's SDPA, whose blocked matmuls are faster there; so does CUDA."""
-
-    # the kernel takes a prefill when less than this share of the padded attention is real:
-    # measured on SmolLM2's shapes on a Zen 4 (16-lane build), SDPA is 1.4-2.8x slower at 0.5
-    # and up to 1.4x faster at 0.75 and above
-    KERNEL_MAX_MASK_DENSITY = 0.7
-
-    cpu_ops: Any | None = None  # as RMSNorm.cpu_ops, where the kernel takes this head_dim
+    """Writes this step's K/V into the pool, then hands the batch to the first of its `backends`
+    (sluice.model.attention) that takes it. The runner sets the backends at load, one list for
+    all layers (`select_backends`); a module built alone has SDPA only."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
-        # the SDPA kernels allowed on CUDA: set by the runner at load (else read at first use)
-        self.cuda_backends: list[SDPBackend] | None = None
+        self.layer = AttentionLayer(layer_id, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+        self.backends: list[AttentionBackend] = [SdpaAttention()]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]
-        kv.write(self.layer_id, fb.out_cache_loc, k, v)
-        bs, h, d = fb.batch_size, self.num_heads, self.head_dim
-        if fb.is_causal_single:
-            qp, kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out = self._sdpa(qp, kp, vp, None, causal=True)
-            return out.squeeze(0).transpose(0, 1).reshape(-1, h * d)
-        if self.cpu_ops is not None and (
-            fb.mode == ForwardMode.DECODE or fb.mask_density < self.KERNEL_MAX_MASK_DENSITY
-        ):  # reads the pool in place
-            k_pool, v_pool = kv.k[self.layer_id], kv.v[self.layer_id]  # [slots, Hkv, D]
-            qc = q.contiguous()
-            if fb.mode == ForwardMode.DECODE:
-                out = self.cpu_ops.decode_attention(
-                    qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, self.scale
-                )  # [B, H, D]
-            else:
-                out = self.cpu_ops.extend_attention(
-                    qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, self.scale
-                )  # [T, H, D]
-            return out.view(-1, h * d)
-        k_all, v_all = kv.gather(self.layer_id, fb.kv_indices)  # [B, max_kv, Hkv, D]
-        kp, vp = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, Hkv, max_kv, D]
-        if fb.mode == ForwardMode.DECODE:
-            qp = q.view(bs, 1, h, d).transpose(1, 2)  # [B, H, 1, D]
-            return self._sdpa(qp, kp, vp, fb.attn_mask, causal=False).reshape(bs, h * d)
-        qp = q[fb.q_pad_index].view(bs, fb.max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
-        out = self._sdpa(qp, kp, vp, fb.attn_mask, causal=False)  # [B, H, max_q, D]
-        out = out.transpose(1, 2).reshape(bs * fb.max_q, h * d)
-        return out[fb.q_unpad_index]
+        kv.write(self.layer.layer_id, fb.out_cache_loc, k, v)
+        return pick_backend(self.backends, fb).forward(q, k, v, fb, kv, self.layer)
 
-    def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
-        # on CPU in float32: PyTorch's bfloat16 CPU attention is several times slower than the
-        # casts plus float32 attention (measured 122 vs 31 ms per decode step of SmolLM2 at 64)
-        if q.device.type == "cpu" and q.dtype != torch.float32:
-            out = self._sdpa(q.float(), k.float(), v.float(), mask, causal)
-            return out.to(q.dtype)
-        if q.device.type != "cuda":
-            return self._sdpa_call(q, k, v, mask, causal)
-        if self.cuda_backends is None:
-            self.cuda_backends = cuda_sdpa_backends()
-        with sdpa_kernel(self.cuda_backends):
-            return self._sdpa_call(q, k, v, mask, causal)
+    # the `cpu_ops` slot every module with C++ kernels has (as RMSNorm.cpu_ops), kept so that
+    # code handing out or withdrawing the kernels (the parity tests, benchmarks/cpu_attention.py)
+    # reaches attention too: the kernels among the backends, or None
+    @property
+    def cpu_ops(self) -> Any | None:
+        kernels = (b.ops for b in self.backends if isinstance(b, CpuKernelAttention))
+        return next(kernels, None)
 
-    def _sdpa_call(self, q, k, v, mask, causal: bool) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # fmt: skip
+    @cpu_ops.setter
+    def cpu_ops(self, ops: Any | None) -> None:
+        """The kernels first (None: none), the other backends after them in their order."""
+        rest = [b for b in self.backends if not isinstance(b, CpuKernelAttention)]
+        self.backends = rest if ops is None else [CpuKernelAttention(ops), *rest]

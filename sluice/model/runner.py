@@ -12,9 +12,10 @@ import time
 import torch
 from torch import nn
 
+from sluice.model.attention import select_backends
 from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.kv_cache import KVCache
-from sluice.model.layers import PagedAttention, can_pack_linears, cuda_sdpa_backends, pack_linears
+from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
 from sluice.model.model_config import ModelConfig
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
@@ -100,13 +101,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     num_params = sum(p.numel() for p in model.parameters())
     if can_pack_linears(device, dtype):
         pack_linears(model)
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):  # what the kernels take
-        _use_cpu_kernels(model, cfg.head_dim)
-    if device.type == "cuda":  # SLUICE_CUDA_SDPA is checked here, at start-up
-        backends = cuda_sdpa_backends()
-        for module in model.modules():
-            if isinstance(module, PagedAttention):
-                module.cuda_backends = backends
+    _use_kernels(model, device, dtype, cfg.head_dim)
     logger.info(
         "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",
         cfg.model_name, cfg.architecture, num_params / 1e6, str(dtype).removeprefix("torch."),
@@ -115,16 +110,21 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
     return model
 
 
-def _use_cpu_kernels(model: nn.Module, head_dim: int) -> None:
-    """Hand sluice's C++ CPU kernels (None when they cannot be built) to every module that has a
-    `cpu_ops` slot; attention only where its kernels are compiled for this head_dim."""
-    from sluice.model.kernels import cpu_ops
+def _use_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Choose the attention backends once for every layer (sluice.model.attention), and hand
+    sluice's C++ CPU kernels, on CPU in the dtypes they take, to every other module that has a
+    `cpu_ops` slot (None when they cannot be built: those modules keep PyTorch ops)."""
+    ops = None
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        from sluice.model.kernels import cpu_ops
 
-    ops = cpu_ops()
+        ops = cpu_ops()
+    backends = select_backends(device, head_dim, ops)
+    logger.info("attention backends: %s", ", ".join(b.name for b in backends))
     for module in model.modules():
-        if isinstance(module, PagedAttention) and ops and head_dim not in ops.attention_head_dims:
-            continue
-        if hasattr(type(module), "cpu_ops"):
+        if isinstance(module, PagedAttention):
+            module.backends = backends
+        elif hasattr(type(module), "cpu_ops"):
             module.cpu_ops = ops
 
 

@@ -1,0 +1,207 @@
+"""Attention backends: the ways one layer's queries attend over the KV pool, behind one interface.
+
+`PagedAttention` (layers.py) writes a step's K/V into the pool, then hands the batch to the first
+of its backends whose `supports(fb)` holds (`pick_backend`). The runner chooses that list once at
+load (`select_backends`), in order of preference; a new backend (a paged CUDA kernel, a kernel over
+a quantized pool) is a class here and an entry in `select_backends`, not a change to the models.
+
+Guarantees:
+- a backend's `forward` returns [T, H * D] in q's dtype, row t being query t's attention over
+  its request's slots up to its own position (the pool already holds this step's K/V);
+- which backend takes a batch depends on the batch's metadata (`ForwardBatch`) alone, never on
+  the layer or on state kept between calls;
+- every list `select_backends` returns ends in `SdpaAttention`, which takes every batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from sluice.model.forward_batch import ForwardBatch, ForwardMode
+from sluice.model.kv_cache import KVCache
+from sluice.utils import envs
+
+_SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def cuda_sdpa_backends() -> list[SDPBackend]:
+    """The SDPA kernels allowed on CUDA, from SLUICE_CUDA_SDPA."""
+    names = [n.strip() for n in (envs.get_str("SLUICE_CUDA_SDPA") or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in _SDPA_BACKENDS]
+    if unknown or not names:
+        raise ValueError(
+            f"SLUICE_CUDA_SDPA={','.join(names)!r}: give a comma-separated list of "
+            f"{', '.join(_SDPA_BACKENDS)}"
+        )
+    return [_SDPA_BACKENDS[n] for n in names]
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """What a backend knows of the layer it computes: backends are shared by all layers."""
+
+    layer_id: int  # which of the KV pool's layers to read
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+class AttentionBackend(Protocol):
+    """One way to compute attention. Holds only what was chosen at load (compiled kernels, the
+    allowed SDPA kernels), so one instance serves every layer and every batch."""
+
+    name: str  # for the log line that says what the runner chose
+
+    def supports(self, fb: ForwardBatch) -> bool:
+        """Whether this backend takes `fb`: it can compute it, and is preferred for it."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        kv: KVCache,
+        layer: AttentionLayer,
+    ) -> torch.Tensor:
+        """q [T, H, D] and this step's k/v [T, Hkv, D], already written into `kv` at
+        `fb.out_cache_loc` -> [T, H * D]."""
+        ...
+
+
+def pick_backend(backends: list[AttentionBackend], fb: ForwardBatch) -> AttentionBackend:
+    """The first of `backends` that takes `fb`."""
+    for backend in backends:
+        if backend.supports(fb):
+            return backend
+    names = ", ".join(b.name for b in backends) or "none"
+    raise ValueError(f"no attention backend takes this {fb.mode.name} batch (backends: {names})")
+
+
+def select_backends(
+    device: torch.device, head_dim: int, cpu_ops: Any | None
+) -> list[AttentionBackend]:
+    """The backends of a model on `device`, in order of preference: sluice's C++ kernels where
+    `cpu_ops` (the runner's, for this device and dtype, or None) are compiled for `head_dim`,
+    then SDPA. On CUDA, SLUICE_CUDA_SDPA is read (and checked) here, at start-up."""
+    sdpa = SdpaAttention(cuda_sdpa_backends() if device.type == "cuda" else None)
+    if cpu_ops is not None and head_dim in cpu_ops.attention_head_dims:
+        return [CpuKernelAttention(cpu_ops), sdpa]
+    return [sdpa]
+
+
+class CpuKernelAttention:
+    """sluice's C++ CPU kernels (`sluice.model.kernels.cpu_ops()`): they read each request's K/V
+    rows in place, query by query, in float32 or bfloat16. They take decode, and prefills whose
+    padded attention would be mostly masked (several prompts of different lengths); dense prefills
+    (one fresh prompt, or a long chunk on a long prefix) are left to SDPA's blocked matmuls,
+    which are faster there."""
+
+    name = "cpu-kernels"
+
+    # the kernel takes a prefill when less than this share of the padded attention is real:
+    # measured on SmolLM2's shapes on a Zen 4 (16-lane build), SDPA is 1.4-2.8x slower at 0.5
+    # and up to 1.4x faster at 0.75 and above
+    MAX_MASK_DENSITY = 0.7
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+
+    def supports(self, fb: ForwardBatch) -> bool:
+        if fb.mode == ForwardMode.DECODE:
+            return True
+        return not fb.is_causal_single and fb.mask_density < self.MAX_MASK_DENSITY
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        kv: KVCache,
+        layer: AttentionLayer,
+    ) -> torch.Tensor:
+        k_pool, v_pool = kv.k[layer.layer_id], kv.v[layer.layer_id]  # [slots, Hkv, D]
+        qc = q.contiguous()
+        if fb.mode == ForwardMode.DECODE:
+            out = self.ops.decode_attention(
+                qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale
+            )  # [B, H, D]
+        else:
+            out = self.ops.extend_attention(
+                qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, layer.scale
+            )  # [T, H, D]
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+
+class SdpaAttention:
+    """PyTorch's scaled_dot_product_attention; takes every batch. A single fresh prompt attends
+    causally over its own k/v (nothing is gathered); any other batch gathers each request's slots
+    into padded per-request views and masks them with `fb.attn_mask`.
+
+    On CPU, dtypes other than float32 are computed in float32. On CUDA, only the kernels in
+    `cuda_backends` may run (SLUICE_CUDA_SDPA, read at first use where not given)."""
+
+    name = "sdpa"
+
+    def __init__(self, cuda_backends: list[SDPBackend] | None = None) -> None:
+        self.cuda_backends = cuda_backends
+
+    def supports(self, fb: ForwardBatch) -> bool:
+        return True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        kv: KVCache,
+        layer: AttentionLayer,
+    ) -> torch.Tensor:
+        bs, h, d = fb.batch_size, layer.num_heads, layer.head_dim
+        if fb.is_causal_single:
+            qp, kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H(kv), T, D]
+            out = self._sdpa(qp, kp, vp, None, True, layer)
+            return out.squeeze(0).transpose(0, 1).reshape(-1, h * d)
+        k_all, v_all = kv.gather(layer.layer_id, fb.kv_indices)  # [B, max_kv, Hkv, D]
+        kp, vp = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, Hkv, max_kv, D]
+        if fb.mode == ForwardMode.DECODE:
+            qp = q.view(bs, 1, h, d).transpose(1, 2)  # [B, H, 1, D]
+            return self._sdpa(qp, kp, vp, fb.attn_mask, False, layer).reshape(bs, h * d)
+        qp = q[fb.q_pad_index].view(bs, fb.max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
+        out = self._sdpa(qp, kp, vp, fb.attn_mask, False, layer)  # [B, H, max_q, D]
+        out = out.transpose(1, 2).reshape(bs * fb.max_q, h * d)
+        return out[fb.q_unpad_index]
+
+    def _sdpa(self, q, k, v, mask, causal: bool, layer: AttentionLayer) -> torch.Tensor:
+        # on CPU in float32: PyTorch's bfloat16 CPU attention is several times slower than the
+        # casts plus float32 attention (measured 122 vs 31 ms per decode step of SmolLM2 at 64)
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            out = self._sdpa(q.float(), k.float(), v.float(), mask, causal, layer)
+            return out.to(q.dtype)
+        if q.device.type != "cuda":
+            return _sdpa_call(q, k, v, mask, causal, layer)
+        if self.cuda_backends is None:
+            self.cuda_backends = cuda_sdpa_backends()
+        with sdpa_kernel(self.cuda_backends):
+            return _sdpa_call(q, k, v, mask, causal, layer)
+
+
+def _sdpa_call(q, k, v, mask, causal: bool, layer: AttentionLayer) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=layer.scale,
+        enable_gqa=layer.num_heads != layer.num_kv_heads,
+    )  # fmt: skip

@@ -1,0 +1,176 @@
+"""The attention backends behind PagedAttention: which one takes which batch, that those which can
+compute a batch agree on it, and that a backend plugs in from outside the model files.
+
+The backends run here directly on a KV pool and `ForwardBatch`es the tests build; the end-to-end
+logits against transformers are test_parity.py's, the kernels themselves test_cpu_kernels.py's.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from sluice.model import kernels
+from sluice.model.attention import (
+    CpuKernelAttention,
+    SdpaAttention,
+    pick_backend,
+    select_backends,
+)
+from sluice.model.forward_batch import ForwardBatch, ForwardMode
+from sluice.model.kv_cache import KVCache
+from sluice.model.layers import PagedAttention
+from sluice.model.model_config import ModelConfig
+from sluice.model.runner import ModelRunner
+
+CPU = torch.device("cpu")
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+FAKE_OPS = SimpleNamespace(attention_head_dims=(HEAD_DIM,))  # what select_backends reads
+
+# (mode, prefix_lens, extend_lens) -> the backend that took it before backends were split out:
+# SDPA for one fresh prompt and for dense prefills, the kernels for decode and sparse prefills
+CASES = {
+    "decode-uneven": (ForwardMode.DECODE, [6, 40, 1], [1, 1, 1], "cpu-kernels"),
+    "decode-even": (ForwardMode.DECODE, [9, 9], [1, 1], "cpu-kernels"),
+    "one-fresh-prompt": (ForwardMode.EXTEND, [0], [37], "sdpa"),
+    "prompts-of-different-lengths": (ForwardMode.EXTEND, [0, 0, 0], [3, 40, 9], "cpu-kernels"),
+    "chunk-on-a-long-prefix": (ForwardMode.EXTEND, [100], [50], "sdpa"),  # density 0.84
+    "one-token-on-a-prefix": (ForwardMode.EXTEND, [30], [1], "sdpa"),  # density 1
+    "short-chunks-on-prefixes": (ForwardMode.EXTEND, [20, 0], [4, 24], "cpu-kernels"),
+}
+
+
+def _batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
+    """Request b owns slots after request b-1's, so slot 0 stays the padding slot."""
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
+    new_slots, start = [], 1
+    for b, (p, n) in enumerate(zip(prefix_lens, seq_lens, strict=True)):
+        req_to_token[b, :n] = torch.arange(start, start + n)
+        new_slots.append(req_to_token[b, p:n])
+        start += n
+    num_tokens = sum(extend_lens)
+    return ForwardBatch.build(
+        mode, [0] * num_tokens, prefix_lens, extend_lens, torch.cat(new_slots), req_to_token,
+        list(range(len(seq_lens))), [num_tokens - 1], CPU,
+    )  # fmt: skip
+
+
+class Recording:
+    """A backend from outside the model files: takes decode only, answers zeros, and notes what
+    the pool held for this step's first token when it ran."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def supports(self, fb: ForwardBatch) -> bool:
+        return fb.mode == ForwardMode.DECODE
+
+    def forward(self, q, k, v, fb, kv, layer) -> torch.Tensor:
+        self.seen.append(kv.k[layer.layer_id][fb.out_cache_loc[0]].clone())
+        return q.new_zeros(q.shape[0], layer.num_heads * layer.head_dim)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_batch_goes_to_the_backend_that_took_it_before(case) -> None:
+    mode, prefix_lens, extend_lens, want = CASES[case]
+    fb = _batch(mode, prefix_lens, extend_lens)
+    assert pick_backend(select_backends(CPU, HEAD_DIM, FAKE_OPS), fb).name == want
+    assert pick_backend(select_backends(CPU, HEAD_DIM, None), fb).name == "sdpa"
+
+
+def test_select_backends_prefers_the_kernels_where_they_take_the_head_dim(monkeypatch) -> None:
+    def names(device: str, head_dim: int, ops) -> list[str]:
+        return [b.name for b in select_backends(torch.device(device), head_dim, ops)]
+
+    assert names("cpu", HEAD_DIM, FAKE_OPS) == ["cpu-kernels", "sdpa"]
+    assert names("cpu", 24, FAKE_OPS) == ["sdpa"]  # no kernel compiled for this head_dim
+    assert names("cpu", HEAD_DIM, None) == ["sdpa"]  # not built, or a dtype they do not take
+    monkeypatch.setenv("SLUICE_CUDA_SDPA", "cudnn,math")  # read at selection, not at first use
+    (sdpa,) = select_backends(torch.device("cuda"), HEAD_DIM, None)
+    assert isinstance(sdpa, SdpaAttention)
+    assert sdpa.cuda_backends == [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    monkeypatch.setenv("SLUICE_CUDA_SDPA", "fast")
+    with pytest.raises(ValueError, match="SLUICE_CUDA_SDPA"):
+        select_backends(torch.device("cuda"), HEAD_DIM, None)
+
+
+def test_pick_backend_refuses_a_batch_no_backend_takes() -> None:
+    fb = _batch(ForwardMode.EXTEND, [0], [5])
+    assert pick_backend([Recording(), SdpaAttention()], fb).name == "sdpa"
+    with pytest.raises(ValueError, match="no attention backend takes this EXTEND batch"):
+        pick_backend([Recording()], fb)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("case", CASES)
+def test_the_kernels_and_sdpa_agree_on_every_batch(case, dtype, atol) -> None:
+    """Whichever backend a batch goes to, the attention is the same: the kernels and SDPA
+    (with its float32 upcast for bfloat16) on one pool, including batches the kernels leave."""
+    ops = kernels.cpu_ops()
+    assert ops is not None, "the CPU kernels did not build (see the warning log)"
+    mode, prefix_lens, extend_lens, _ = CASES[case]
+    fb = _batch(mode, prefix_lens, extend_lens)
+    gen = torch.Generator().manual_seed(len(case))
+    kv = KVCache(200, 2, KV_HEADS, HEAD_DIM, dtype, CPU)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    num_tokens = fb.input_ids.numel()
+    q = (torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen) * 3).to(dtype)
+    k, v = (torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in "kv")
+    layer = PagedAttention(1, HEADS, KV_HEADS, HEAD_DIM).layer
+    kv.write(layer.layer_id, fb.out_cache_loc, k, v)
+    with torch.inference_mode():
+        got = CpuKernelAttention(ops).forward(q, k, v, fb, kv, layer)
+        want = SdpaAttention().forward(q, k, v, fb, kv, layer)
+    assert got.shape == want.shape == (num_tokens, HEADS * HEAD_DIM)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+def test_a_backend_plugs_in_and_reads_this_steps_kv_from_the_pool() -> None:
+    attn = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM)
+    recording = Recording()
+    attn.backends = [recording, SdpaAttention()]
+    kv = KVCache(100, 1, KV_HEADS, HEAD_DIM, torch.float32, CPU)
+    steps = [(ForwardMode.DECODE, [5, 9], [1, 1]), (ForwardMode.EXTEND, [0, 3], [4, 2])]
+    first_ks = []
+    for mode, prefix_lens, extend_lens in steps:
+        fb = _batch(mode, prefix_lens, extend_lens)
+        num_tokens = fb.input_ids.numel()
+        q = torch.randn(num_tokens, HEADS, HEAD_DIM)
+        k, v = torch.randn(2, num_tokens, KV_HEADS, HEAD_DIM)
+        first_ks.append(k[0])
+        out = attn(q, k, v, fb, kv)
+        assert out.shape == (num_tokens, HEADS * HEAD_DIM)
+        assert bool(out.eq(0).all()) == (mode == ForwardMode.DECODE)  # SDPA took the extend
+    (seen,) = recording.seen  # decode only; the pool held this step's k when the backend ran
+    assert torch.equal(seen, first_ks[0])
+
+
+def test_the_cpu_ops_slot_hands_out_and_withdraws_only_the_kernels() -> None:
+    attn = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM)
+    shared = [Recording(), SdpaAttention()]  # one list for all layers, as the runner sets it
+    attn.backends = shared
+    assert attn.cpu_ops is None
+    attn.cpu_ops = FAKE_OPS
+    assert attn.cpu_ops is FAKE_OPS
+    assert [b.name for b in attn.backends] == ["cpu-kernels", "recording", "sdpa"]
+    attn.cpu_ops = None
+    assert attn.backends == shared and [b.name for b in shared] == ["recording", "sdpa"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "want"), [(torch.float32, ["cpu-kernels", "sdpa"]), (torch.float16, ["sdpa"])]
+)
+def test_the_runner_chooses_one_list_of_backends_for_all_layers(tiny_llama_dir, dtype, want):
+    assert kernels.cpu_ops() is not None, "the CPU kernels did not build (see the warning log)"
+    runner = ModelRunner(ModelConfig.from_hf_dir(tiny_llama_dir), CPU, dtype, kv_size=64)
+    lists = [m.backends for m in runner.model.modules() if isinstance(m, PagedAttention)]
+    assert len(lists) == runner.cfg.num_hidden_layers
+    assert all(b is lists[0] for b in lists) and [b.name for b in lists[0]] == want

@@ -80,6 +80,9 @@ class RequestStats:
     ttft: float  # seconds from sending to the first token chunk
     itls: list[float]  # gaps between consecutive token chunks, seconds
     output_tokens: int
+    text: str = ""  # the streamed output, concatenated
+    finish_reason: str | None = None
+    start: float = 0.0  # time.perf_counter() when the request was sent
 
 
 @dataclass
@@ -135,16 +138,28 @@ def _payload(prompt: list[int], output_len: int) -> dict:
     }
 
 
+def _chunk_text(choice: dict) -> str:
+    """The output text of a streamed choice: `text` (completions) or `delta.content` (chat)."""
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
 def _is_token_chunk(msg: dict) -> bool:
+    """A chunk that carries a token: text, or no finish_reason yet (a token may decode to no
+    text yet); a chat stream's opening role chunk carries none."""
     choices = msg.get("choices") or []
-    if not choices:
+    if not choices or "role" in (choices[0].get("delta") or {}):
         return False
-    return bool(choices[0].get("text")) or choices[0].get("finish_reason") is None
+    return bool(_chunk_text(choices[0])) or choices[0].get("finish_reason") is None
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, payload: dict) -> RequestStats:
+async def stream_request(client: httpx.AsyncClient, url: str, payload: dict) -> RequestStats:
+    """One streamed request to `/v1/completions` or `/v1/chat/completions` (SSE)."""
     start = last = time.perf_counter()
     ttft, itls, chunks, usage = None, [], 0, None
+    texts: list[str] = []
+    finish_reason = None
     async with client.stream("POST", url, json=payload) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode(errors="replace")
@@ -157,6 +172,9 @@ async def _one_request(client: httpx.AsyncClient, url: str, payload: dict) -> Re
                 break
             msg = json.loads(data)
             usage = msg.get("usage") or usage
+            for choice in msg.get("choices") or []:
+                texts.append(_chunk_text(choice))
+                finish_reason = choice.get("finish_reason") or finish_reason
             if not _is_token_chunk(msg):
                 continue
             now = time.perf_counter()
@@ -167,22 +185,32 @@ async def _one_request(client: httpx.AsyncClient, url: str, payload: dict) -> Re
             last, chunks = now, chunks + 1
     tokens = int(usage["completion_tokens"]) if usage else chunks
     return RequestStats(
-        ttft=ttft if ttft is not None else last - start, itls=itls, output_tokens=tokens
+        ttft=ttft if ttft is not None else last - start,
+        itls=itls,
+        output_tokens=tokens,
+        text="".join(texts),
+        finish_reason=finish_reason,
+        start=start,
     )
 
 
 async def _drive(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int):
-    """Closed loop: `concurrency` workers share one queue of prompts. Returns (stats, errors, s)."""
-    queue = list(reversed(prompts))
-    stats: list[RequestStats] = []
+    payloads = [_payload(prompt, output_len) for prompt in prompts]
+    return await drive(base_url + "/v1/completions", payloads, concurrency)
+
+
+async def drive(url: str, payloads: list[dict], concurrency: int):
+    """Closed loop: `concurrency` workers share one queue of request bodies, streamed to `url`.
+    Returns (stats, errors, s); stats[i] is None where payloads[i] failed."""
+    queue = list(reversed(list(enumerate(payloads))))
+    stats: list[RequestStats | None] = [None] * len(payloads)
     errors: list[str] = []
-    url = base_url + "/v1/completions"
 
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
-            prompt = queue.pop()
+            i, payload = queue.pop()
             try:
-                stats.append(await _one_request(client, url, _payload(prompt, output_len)))
+                stats[i] = await stream_request(client, url, payload)
             except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                 errors.append(repr(exc))
 
@@ -196,9 +224,14 @@ async def _drive(base_url: str, prompts: list[list[int]], output_len: int, concu
     return stats, errors, elapsed
 
 
+def _completed(stats: list[RequestStats | None]) -> list[RequestStats]:
+    return [s for s in stats if s is not None]
+
+
 def measure_http(system: str, base_url: str, wl: Workload, prompts, warm, concurrency) -> Result:
     asyncio.run(_drive(base_url, warm, WARMUP_OUTPUT, len(warm)))
     stats, errors, elapsed = asyncio.run(_drive(base_url, prompts, wl.output_len, concurrency))
+    stats = _completed(stats)
     for err in errors[:3]:
         print(f"  {system}: request failed: {err}", flush=True)
     return Result(

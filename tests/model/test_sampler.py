@@ -261,3 +261,29 @@ def test_top_p_and_min_p_cut_only_rows_that_use_them():
     assert cut[0].item() == 0.0
     assert torch.equal(probs[1] >= cut[1], reference_probs(probs[1].log(), top_p=0.5) > 0)
     torch.testing.assert_close(cut[2], 0.3 * probs[2].max())
+
+
+def test_grammar_bias_reads_bit_t_of_word_w_as_token_32w_plus_t():
+    from sluice.model.sampler import grammar_bias
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 70  # three words, the last one partly past the vocabulary
+    masks = torch.randint(-(2**31), 2**31 - 1, (4, 3), dtype=torch.int32, generator=gen)
+    bias = grammar_bias(masks, vocab)
+    for row in range(4):
+        for token in range(vocab):
+            allowed = (int(masks[row, token // 32]) >> (token % 32)) & 1
+            assert bias[row, token] == (0.0 if allowed else float("-inf"))
+
+
+def test_a_grammar_that_allows_only_a_blocked_stop_wins_over_min_new_tokens():
+    """Row 0's grammar allows token 1 only, which min_new_tokens blocks: the grammar's mask
+    alone applies to it; row 1 (no grammar) keeps the block."""
+    logits = BASE_LOGITS.repeat(2, 1)
+    params = [SamplingParams(temperature=0.0, min_new_tokens=3)] * 2
+    only_token_1 = torch.zeros(1, (logits.shape[1] + 31) // 32, dtype=torch.int32)
+    only_token_1[0, 0] = 1 << 1
+    info = build(params, outputs=[[], []], blocked=[[1], [1]])
+    info.grammar_rows, info.grammar_masks = torch.tensor([0]), only_token_1
+    assert sample(logits, info).next_token_ids.tolist()[0] == 1
+    assert sample(logits, info).next_token_ids.tolist()[1] != 1

@@ -152,7 +152,8 @@ class GrammarManager:
         return Compiled(matcher)
 
     def _tokenizer(self) -> Any:
-        """llguidance's view of the tokenizer, built once (about a second) on first use."""
+        """llguidance's view of the tokenizer, built once (about half a second): by a thread
+        started with the manager, or by the first compilation if that comes first."""
         with self._lltok_lock:
             if self._lltok is None:
                 import llguidance.hf
@@ -170,7 +171,7 @@ class GrammarManager:
 
     # ---- the queue ----------------------------------------------------------------------
 
-    def add(self, req: Any, key: tuple[str, str], now: float) -> str | None:
+    def add(self, req: Any, key: tuple[str, str]) -> str | None:
         """Give `req` its matcher now when its grammar is compiled (None: ready), else queue
         it ("queued"); or the error of a grammar known to fail."""
         job = self.compile(key)

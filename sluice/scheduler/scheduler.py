@@ -169,7 +169,7 @@ class Scheduler:
             return None
         if self.grammars is None:
             return f"{key[0]} needs a grammar backend; this server runs with --grammar-backend none"
-        return self.grammars.add(req, key, req.arrival_time)
+        return self.grammars.add(req, key)
 
     def _poll_grammars(self, now: float) -> None:
         """Requests whose grammar compiled join the waiting queue; failed ones end with 400."""

@@ -13,6 +13,7 @@ grammar applies from the end of the reasoning on.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from sluice.server.chat_output import ChatParsers
@@ -89,9 +90,13 @@ class OpenAIServingChat(OpenAIServingBase):
             out += [parsers.reasoning.start, parsers.reasoning.end]
         return out
 
+    @cached_property
+    def _added_vocab(self) -> dict[str, int]:
+        return self.tm.tokenizer.get_added_vocab()
+
     def _special_id(self, text: str) -> int | None:
         """The id of `text` when it is one added (special) token of the tokenizer."""
-        return self.tm.tokenizer.get_added_vocab().get(text)
+        return self._added_vocab.get(text)
 
     def _grammar_after(self, parsers: ChatParsers, params: dict[str, Any]) -> tuple[int, int]:
         """With reasoning and a grammar: the token that ends the reasoning (the grammar and

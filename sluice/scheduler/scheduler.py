@@ -369,16 +369,16 @@ class Scheduler:
             req.input_token_logprobs.extend(lps)
             req.input_top_logprobs.extend(tops)
         for i, req in enumerate(plan.last):
-            error = out.errors[i]
-            if error is None and req.max_new_tokens > 0 and req.pooled is None:
+            token, error = out.tokens[i], out.errors[i]
+            if token is not None:
                 if req.return_logprob:
                     req.output_token_logprobs.append(out.logprobs[i])
                     req.output_top_logprobs.append(out.top_logprobs[i])
-                self.on_token(req, out.tokens[i])
+                self.on_token(req, token)
                 continue
             if error is None and req.pooled is not None:
                 req.pooled_result = out.pooled[i]
-            self.touched.append(req)
+            self.touched.append(req)  # pooled, prompt-only (no tokens to go), or failed
             self.finish(req, error or FinishReason(type="length"))
 
     def on_token(self, req: Req, token: int) -> None:

@@ -107,7 +107,7 @@ _GRAMMAR_ALIASES = {
     "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf",  # SGLang
     "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf",  # vLLM
 }  # fmt: skip
-_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": ""}
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": "ebnf"}
 
 
 class SamplingRequest(_Lenient):
@@ -172,9 +172,8 @@ class SamplingRequest(_Lenient):
         for key, value in (self.structured_outputs or {}).items():
             if key not in _STRUCTURED_OUTPUTS:
                 raise ValueError(f"structured_outputs.{key} is not supported")
-            kind = _STRUCTURED_OUTPUTS[key] or "ebnf"
             text = _choice_grammar(value) if key == "choice" else value
-            given.append((f"structured_outputs.{key}", kind, text))
+            given.append((f"structured_outputs.{key}", _STRUCTURED_OUTPUTS[key], text))
         if len(given) > 1:
             names = " and ".join(name for name, _, _ in given)
             raise ValueError(f"give one way of constraining the output, not {names}")

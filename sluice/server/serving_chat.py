@@ -29,13 +29,6 @@ from sluice.tokenizer.generate_input import GenerateReqInput
 CHUNK = "chat.completion.chunk"
 
 
-class _NoCalls:
-    has_tool_calls = False
-
-
-_NO_CALLS = _NoCalls()
-
-
 class OpenAIServingChat(OpenAIServingBase):
     request_model = ChatCompletionRequest
     id_prefix = "chatcmpl-"
@@ -148,7 +141,8 @@ class OpenAIServingChat(OpenAIServingBase):
             frames.append(self._chunk(state, index, delta, logprobs=logprobs if i == 0 else None))
         if reason is not None:
             matched = meta["finish_reason"].get("matched")
-            if reason == "stop" and state.extra["streams"].get(index, _NO_CALLS).has_tool_calls:
+            stream = state.extra["streams"].get(index)
+            if reason == "stop" and stream is not None and stream.has_tool_calls:
                 reason = "tool_calls"
             frames.append(self._chunk(state, index, {}, reason=reason, matched=matched))
         return frames

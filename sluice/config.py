@@ -142,7 +142,49 @@ class ServerArgs:
         above=0,
     )  # fmt: skip
 
+    # images (in progress: accepted only once a vision-language model is supported)
+    allowed_media_domains: tuple[str, ...] = _opt(
+        (),
+        "hosts image URLs may be fetched from, each with its subdomains (example.com allows "
+        "cdn.example.com; default: any public host)",
+    )
+    allowed_local_media_path: str | None = _opt(
+        None,
+        "directory whose files requests may name as file:// image URLs (symlinks and .. must "
+        "stay inside it; default: local files refused)",
+    )
+    allow_private_media_urls: bool = _opt(
+        False,
+        "let image URLs reach loopback, private (RFC 1918, fc00::/7) and carrier-grade NAT "
+        "addresses, for intranet deployments; link-local, cloud metadata, multicast and "
+        "reserved addresses stay refused",
+    )
+    media_fetch_timeout: float = _opt(
+        10.0, "seconds one image fetch may take, redirects and body included", above=0
+    )
+    max_media_redirects: int = _opt(5, "redirects followed per image fetch", at_least=0)
+    max_image_bytes: int = _opt(
+        20 * 1024 * 1024, "bytes per image, fetched or in a data: URI", at_least=1
+    )
+    max_image_pixels: int = _opt(
+        25_000_000, "width x height per image, checked before decoding", at_least=1
+    )
+    max_images_per_request: int = _opt(16, "images in one request", at_least=0)
+    media_cache_mb: int = _opt(
+        256, "MiB of decoded images kept by content hash (0: no cache)", at_least=0
+    )
+    num_media_workers: int = _opt(
+        0, "processes decoding images, started at the first image (0: cores, at most 4)",
+        at_least=0,
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.type == "tuple[str, ...]":  # a list from Engine(**kwargs), a,b from a string
+                value = getattr(self, f.name)
+                if isinstance(value, str):
+                    value = [v.strip() for v in value.split(",") if v.strip()]
+                object.__setattr__(self, f.name, tuple(value))
         for f in dataclasses.fields(self):
             problem = _out_of_range(getattr(self, f.name), f.metadata)
             if problem:
@@ -186,6 +228,9 @@ def build_parser(prog: str = "sluice serve") -> argparse.ArgumentParser:
         text = f.metadata["help"]
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=text)
+            continue
+        if f.type == "tuple[str, ...]":
+            parser.add_argument(flag, nargs="+", default=f.default, metavar="VALUE", help=text)
             continue
         if f.default is not None and "default" not in text:
             text = f"{text} (default: {f.default})"

@@ -1,0 +1,178 @@
+"""MediaManager: image references of one request → decoded images, each with its content hash.
+
+Owns three resources of the HTTP process, none created before the first image (text-only
+traffic never touches them): the fetcher's HTTP session, the decode pool (a process pool, so
+image work never holds the GIL the event loop needs), and a byte-bounded LRU cache of decoded
+images keyed by the sha256 of their bytes. That hash is the image's identity downstream (the
+radix cache's placeholder ids come from it).
+
+Cancellation: cancelling `load_images` cancels every fetch (their connections close); a decode
+already running in a worker finishes there and its result is dropped, bounded in time by the
+pixel limit; a decode not yet started never runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import multiprocessing
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import TYPE_CHECKING
+
+from sluice.tokenizer.media.decode import DecodedImage, decode_image
+from sluice.tokenizer.media.fetch import MediaFetcher, Resolve, system_resolve
+from sluice.tokenizer.media.policy import MediaError, MediaPolicy
+
+if TYPE_CHECKING:
+    from sluice.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_OFF_LOOP_LEN = 1024 * 1024  # bytes hashed in a thread past this (hashlib releases the GIL)
+
+
+class ImageCache:
+    """Decoded images by hash, least recently used evicted first; at most `capacity` bytes of
+    pixels held (an image larger than that is not kept)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held_len = 0
+        self._images: OrderedDict[str, DecodedImage] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+    def get(self, image_hash: str) -> DecodedImage | None:
+        image = self._images.get(image_hash)
+        if image is not None:
+            self._images.move_to_end(image_hash)
+        return image
+
+    def put(self, image: DecodedImage) -> None:
+        size = image.pixels.nbytes
+        if size > self.capacity or image.hash in self._images:
+            return
+        while self.held_len + size > self.capacity:
+            _, old = self._images.popitem(last=False)
+            self.held_len -= old.pixels.nbytes
+        self._images[image.hash] = image
+        self.held_len += size
+
+
+def resolve_num_workers(num_workers: int) -> int:
+    """0 (auto): the cores this process may use, at most 4."""
+    if num_workers > 0:
+        return num_workers
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    resolved = max(1, min(4, cores or 1))
+    logger.info("--num-media-workers auto: %d decode processes", resolved)
+    return resolved
+
+
+class MediaManager:
+    def __init__(
+        self,
+        policy: MediaPolicy,
+        *,
+        cache_bytes: int = 256 * 1024 * 1024,
+        num_workers: int = 0,
+        executor: Executor | None = None,
+        resolve: Resolve = system_resolve,
+    ) -> None:
+        """`executor` (tests: a thread pool) replaces the process pool, and is not shut down
+        by `close()`; `resolve` replaces DNS."""
+        self.policy = policy
+        self.fetcher = MediaFetcher(policy, resolve)
+        self.cache = ImageCache(cache_bytes)
+        self._num_workers = num_workers
+        self._executor = executor
+        self._owns_executor = executor is None
+
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> MediaManager:
+        return cls(
+            MediaPolicy.from_args(args),
+            cache_bytes=args.media_cache_mb * 1024 * 1024,
+            num_workers=args.num_media_workers,
+        )
+
+    @property
+    def is_pool_started(self) -> bool:
+        return self._executor is not None
+
+    async def load_images(self, urls: Sequence[str]) -> list[DecodedImage]:
+        """All images of one request, in order; the first refusal cancels the others."""
+        self.policy.check_num_images(len(urls))
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.load_image(url)) for url in urls]
+        except BaseExceptionGroup as group_error:
+            raise _first_error(group_error) from None
+        return [task.result() for task in tasks]
+
+    async def load_image(self, url: str) -> DecodedImage:
+        data = await self.fetcher.fetch(url)
+        if len(data) > _OFF_LOOP_LEN:
+            image_hash = await asyncio.to_thread(_sha256, data)
+        else:
+            image_hash = _sha256(data)
+        cached = self.cache.get(image_hash)
+        if cached is not None:
+            return cached
+        image = await self._decode(data, image_hash)
+        self.cache.put(image)
+        return image
+
+    async def close(self) -> None:
+        await self.fetcher.close()
+        if self._owns_executor and self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def _decode(self, data: bytes, image_hash: str) -> DecodedImage:
+        loop = asyncio.get_running_loop()
+        executor = self._get_executor()
+        max_pixels = self.policy.max_image_pixels
+        try:
+            return await loop.run_in_executor(executor, decode_image, data, image_hash, max_pixels)
+        except BrokenProcessPool:
+            # a worker died (a decoder crash or the OOM killer): a fresh pool for the next image
+            logger.warning("a media decode process died; the pool is restarted")
+            if self._owns_executor and self._executor is executor:
+                self._executor = None
+                executor.shutdown(wait=False, cancel_futures=True)
+            raise MediaError(
+                "image_url: the image could not be decoded (the decoder died)"
+            ) from None
+
+    def _get_executor(self) -> Executor:
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(
+                resolve_num_workers(self._num_workers),
+                mp_context=multiprocessing.get_context("spawn"),  # no fork of a threaded loop
+            )
+        return self._executor
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _first_error(group_error: BaseExceptionGroup) -> BaseException:
+    """The first MediaError of a TaskGroup's failure, else its first non-cancellation error."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group_error]
+    while stack:
+        exc = stack.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            stack[:0] = exc.exceptions
+        elif not isinstance(exc, asyncio.CancelledError):
+            leaves.append(exc)
+    media = [e for e in leaves if isinstance(e, MediaError)]
+    return (media or leaves or [group_error])[0]

@@ -61,15 +61,17 @@ class ChatParsers:
         cls,
         reasoning_name: str | None,
         tool_name: str,
-        uses_tools: bool,
+        tool_names: frozenset[str] | None,
         template_kwargs: Any,
         max_calls: int | None = None,
     ) -> ChatParsers:
+        """`tool_names`: the functions the request offers, None when it offers none."""
         reasoning = None
         if reasoning_name is not None:
             reasoning = REASONING_PARSERS[reasoning_name].for_request(template_kwargs)
             reasoning = reasoning if reasoning.enabled else None
-        return cls(reasoning, PARSERS[tool_name]() if uses_tools else None, max_calls)
+        tools = None if tool_names is None else PARSERS[tool_name](tool_names)
+        return cls(reasoning, tools, max_calls)
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """The assistant message of a whole text, and whether it holds tool calls."""

@@ -325,6 +325,12 @@ class ChatCompletionRequest(SamplingRequest):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
+    def tool_names(self) -> frozenset[str] | None:
+        """The names of the functions offered, None when none are offered."""
+        if not self.uses_tools:
+            return None
+        return frozenset(t.function.name for t in self.tools or [])
+
     def max_new_tokens(self) -> int | None:
         """max_tokens and max_completion_tokens are synonyms; the smaller one wins."""
         given = [v for v in (self.max_tokens, self.max_completion_tokens) if v is not None]

@@ -72,7 +72,7 @@ class OpenAIServingChat(OpenAIServingBase):
 
     def _parsers(self, req: ChatCompletionRequest) -> ChatParsers:
         return ChatParsers.for_request(
-            self.ctx.reasoning_parser, self.ctx.tool_parser, req.uses_tools,
+            self.ctx.reasoning_parser, self.ctx.tool_parser, req.tool_names(),
             req.chat_template_kwargs, max_calls=1 if req.parallel_tool_calls is False else None,
         )  # fmt: skip
 

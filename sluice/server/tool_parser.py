@@ -4,7 +4,8 @@ One parser per model family, registered in `PARSERS`:
 - "hermes" (Hermes, Qwen2.5, Qwen3, and sluice's fallback prompt for templates without tools):
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, any number, anywhere.
 - "llama3" (Llama 3.1 / 3.2 JSON tool calls): `{"name": ..., "parameters": {...}}` as the whole
-  output, or after `<|python_tag|>`; several are separated by `;`.
+  output, or after `<|python_tag|>`; several are separated by `;`. Such a call has no marker of
+  its own (a JSON answer may look like one), so only the functions the request offers are calls.
 - "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` or the newer
   `[TOOL_CALLS]name[ARGS]{...}` (an optional `[CALL_ID]id` before `[ARGS]` is skipped).
 
@@ -144,9 +145,11 @@ class _Scanner:
     decided since the last call and never one that more text could change; with `final` the
     text is complete and everything left is decided."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        """`names`: the functions the request offers (None: any name)."""
         self.pos = 0
         self.json_end = _JsonEnd()
+        self.names = names
 
     def scan(self, buf: str, final: bool) -> list[Event]:
         raise NotImplementedError
@@ -219,8 +222,8 @@ class _Llama3Scanner(_Scanner):
 
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        super().__init__(names)
         self.mode = "start"
         self.tag_pos = -1  # the tag that opened the calls, while no call has followed it
 
@@ -253,6 +256,8 @@ class _Llama3Scanner(_Scanner):
         if not decided:
             return False
         call = _call_from_obj(found[1], needs_args=True) if found else None
+        if call is not None and self.names is not None and call.name not in self.names:
+            call = None  # bare JSON that names no offered function is an answer, not a call
         if call is not None:
             events.append(call)
             self.pos, self.tag_pos = found[0], -1
@@ -366,16 +371,20 @@ class ToolStream:
 
 
 class ToolParser:
-    """A family's parser; stateless, so one instance may serve every request."""
+    """A family's parser for one request: `names` are the functions it offers (None: any);
+    a family whose calls have no marker (llama3) takes only those as calls."""
 
     name: ClassVar[str]
     _scanner_type: ClassVar[type[_Scanner]]
+
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        self.names = names
 
     def new_id(self) -> str:
         return "call_" + random_alnum(24)
 
     def stream(self) -> ToolStream:
-        return ToolStream(self._scanner_type(), self.new_id)
+        return ToolStream(self._scanner_type(self.names), self.new_id)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content left after removing the calls, the calls)."""

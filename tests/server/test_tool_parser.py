@@ -190,6 +190,22 @@ def test_llama3_holds_a_possible_call_until_it_is_known() -> None:
     assert stream.feed("\nand then") == ("and then", [])
 
 
+def test_llama3_takes_only_offered_functions_as_calls() -> None:
+    """A bare JSON answer that looks like a call to a function nobody offered stays content;
+    the marker-delimited families keep calls to any name (their markers say it is a call)."""
+    person = llama3_call("Ada", {"born": 1815})
+    offered = PARSERS["llama3"](frozenset({"f"}))
+    assert offered.parse(person) == (person, [])
+    assert offered.parse("<|python_tag|>" + person) == ("<|python_tag|>" + person, [])
+    content, calls = offered.parse(llama3_call("f", {"a": 1}) + "; " + person)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
+    assert content == "; " + person
+    assert [c.name for c in PARSERS["llama3"]().parse(person)[1]] == ["Ada"]
+    assert [c.name for c in PARSERS["hermes"](frozenset({"f"})).parse(hermes_call("g", {}))[1]] == [
+        "g"
+    ]
+
+
 def test_detect_parser() -> None:
     assert detect_parser(None) is None
     assert detect_parser("{{'<|im_start|>' + message['role'] + '\n' + message['content']}}") is None

@@ -133,7 +133,7 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from sluice.model.encoder_config import default_embedding_model_path
+    from sluice.checkpoint.encoder_config import default_embedding_model_path
 
     path = args.embedding_model_path or default_embedding_model_path()
     if path is None:

@@ -113,7 +113,7 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
 
-    from sluice.model.loader import load_model_config
+    from sluice.checkpoint.hf_dir import load_model_config
     from sluice.model.runner import resolve_dtype
     from sluice.utils.system import available_cpus
 

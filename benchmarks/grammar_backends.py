@@ -508,7 +508,7 @@ def measure_apply(mask: torch.Tensor | None) -> tuple[list[tuple[str, list[float
 
 
 def load_tokenizer(model: str | None) -> tuple[Any, str]:
-    from sluice.model.loader import prepare_hf_dir, resolve_model_path
+    from sluice.checkpoint.hf_dir import prepare_hf_dir, resolve_model_path
     from sluice.utils.tokenizer import get_tokenizer
 
     hf_dir = prepare_hf_dir(resolve_model_path(model))

@@ -505,7 +505,7 @@ def main() -> None:
     if args.engine_worker:
         engine_worker()
         return
-    from sluice.model.loader import default_model_path, load_model_config
+    from sluice.checkpoint.hf_dir import default_model_path, load_model_config
     from sluice.utils.system import available_cpus
     from sluice.utils.tokenizer import get_tokenizer
 

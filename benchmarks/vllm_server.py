@@ -27,7 +27,7 @@ PyPI, which pins ``torch==2.13.0+cpu``. Quirks handled:
   to bf16 on load, with one warning per tensor in the log.
 
 The model is the Hugging Face copy of the default GGUF that sluice makes
-(``sluice.model.loader.prepare_hf_dir``), or ``--model DIR``. The server is started with
+(``sluice.checkpoint.hf_dir.prepare_hf_dir``), or ``--model DIR``. The server is started with
 ``python -m vllm.entrypoints.openai.api_server`` (0.32 calls it deprecated in favour of
 ``vllm serve``, and runs it).
 
@@ -181,7 +181,7 @@ def vllm_command(python: Path, model_dir: str, port: int, max_num_seqs: int) -> 
 
 
 def default_model_dir() -> str:
-    from sluice.model.loader import default_model_path, prepare_hf_dir
+    from sluice.checkpoint.hf_dir import default_model_path, prepare_hf_dir
 
     return str(prepare_hf_dir(default_model_path()))
 

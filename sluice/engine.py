@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 import torch
 
+from sluice.checkpoint.hf_dir import load_model_config
 from sluice.config import ServerArgs
 from sluice.detokenizer.manager import DetokenizerManager
 from sluice.messages import (
@@ -27,7 +28,6 @@ from sluice.messages import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from sluice.model.loader import load_model_config
 from sluice.scheduler.resources import resolve_resources
 from sluice.scheduler.scheduler import Scheduler
 from sluice.tokenizer import normalize

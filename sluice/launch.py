@@ -26,10 +26,11 @@ from typing import Any
 
 import uvicorn
 
+from sluice.checkpoint.encoder_config import EncoderConfig, is_encoder_model, load_encoder_config
+from sluice.checkpoint.hf_dir import load_model_config
 from sluice.config import ServerArgs
 from sluice.detokenizer.process import run_detokenizer_process
 from sluice.messages import ModelInfo, ReadyMsg
-from sluice.model.encoder_config import EncoderConfig, is_encoder_model, load_encoder_config
 from sluice.scheduler.process import run_scheduler_process
 from sluice.tokenizer.embedding_manager import (
     EncoderManager,
@@ -134,7 +135,6 @@ class ServingProcesses:
     def _start(self) -> tuple[Any, Any, ModelInfo | None]:
         """(model config, tokenizer, scheduler info) of the main model; for an encoder main
         model (EncoderConfig) the tokenizer and info are its manager's, made later."""
-        from sluice.model.loader import load_model_config
         from sluice.utils.tokenizer import get_tokenizer
 
         path = self.args.model_path

@@ -2,11 +2,20 @@
 
 Flat msgspec structs with no logic, encoded with msgpack over ZMQ. Token ids travel as plain
 integer lists. Single and batch requests are different types.
+
+Sections by receiver: what the scheduler takes (from the HTTP process), what the detokenizer
+takes (from the scheduler), what the HTTP process takes (from the detokenizer, or straight from
+an encoder's scheduler), and the launcher's start-up handshake. A struct sent on its own is a
+`Message`, tagged with its class name; each receiver decodes the closed union of what it takes
+(`ToScheduler`, `ToDetokenizer`, `ToHttp`, at the end) by that tag and dispatches with `match`.
+The structs of the first section travel only inside messages.
 """
 
 from __future__ import annotations
 
 import msgspec
+
+# ---------------------------------------------------------------------------- carried inside
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -48,7 +57,66 @@ class SessionParams(msgspec.Struct, omit_defaults=True):
     drop_previous_output: bool = False
 
 
-class TokenizedGenerateReqInput(msgspec.Struct, omit_defaults=True):
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """Why a request ended. type: "stop" | "length" | "abort".
+
+    For "stop", `matched` is the token id (EOS or a stop token id) or the stop string that
+    matched. For "abort", `message`, `status_code` and `code` describe the error to return; the
+    aborts are built by the named constructors of `sluice.aborts`, in one place.
+    """
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+    status_code: int = 0
+    code: str | None = None
+
+
+class TopLogprobs(msgspec.Struct, array_like=True):
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class InternalState(msgspec.Struct):
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_total: int
+    kv_free: int
+    kv_cached: int
+    kv_in_use: int
+    last_heartbeat: float
+    num_retractions: int = 0
+    num_sessions: int = 0
+    device: str = ""  # where the model runs, as resolved at start-up (e.g. "cpu", "cuda")
+    dtype: str = ""  # e.g. "float32"
+    paused: bool = False  # by /pause_generation: no forward step runs until it is continued
+    num_grammar_reqs: int = 0  # requests waiting for their grammar to compile
+
+
+class ModelInfo(msgspec.Struct, omit_defaults=True):
+    """What a model process reports when it is ready: its settings as resolved at start-up."""
+
+    model_name: str
+    hf_dir: str
+    context_len: int
+    vocab_size: int
+    task: str = "generate"  # "generate" | "embed" | "rerank"
+    dimensions: int = 0  # width of a pooled vector (an embedding; the decoder's hidden size)
+    max_total_tokens: int = 0  # the KV pool; 0: none (an encoder)
+    max_running_requests: int = 0
+    num_threads: int = 0
+    device: str = ""
+    dtype: str = ""
+
+
+class Message(msgspec.Struct, tag=True):
+    """A struct sent on its own: it travels tagged with its class name (field "type")."""
+
+
+# ---------------------------------------------------------------------------- to the scheduler
+
+
+class TokenizedGenerateReqInput(Message, omit_defaults=True):
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
@@ -70,19 +138,44 @@ class TokenizedGenerateReqInput(msgspec.Struct, omit_defaults=True):
     reasoning_start_id: int = -1
 
 
-class BatchTokenizedGenerateReqInput(msgspec.Struct):
+class BatchTokenizedGenerateReqInput(Message):
     reqs: list[TokenizedGenerateReqInput]
 
 
-class AbortReq(msgspec.Struct, omit_defaults=True):
-    """`reason`: "client" (a disconnect or /abort_request) or "shutdown" (the drain ran out)."""
+class TokenizedEmbeddingReqInput(Message, omit_defaults=True):
+    """One input of an embedding or scoring request (prefill only, no generated tokens).
+
+    For an encoder model: the pooled vector, or a cross-encoder's scores; `token_type_ids` is set
+    for a (query, document) pair of a cross-encoder.
+    For a decoder model, `label_token_ids` picks the mode:
+      - None: an embedding, the final-norm hidden state of the last prompt token, L2-normalized;
+      - a list: scores, the log-probabilities (log_softmax over the whole vocabulary at the last
+        prompt position, i.e. of the next token) of exactly these token ids, in this order.
+    An encoder refuses `label_token_ids` (400). Results travel as float32 in a
+    BatchEmbeddingOutput.
+    """
+
+    rid: str
+    input_ids: list[int]
+    token_type_ids: list[int] | None = None
+    label_token_ids: list[int] | None = None
+    reply_to: str = ""
+
+
+class BatchTokenizedEmbeddingReqInput(Message):
+    reqs: list[TokenizedEmbeddingReqInput]
+
+
+class AbortReq(Message, omit_defaults=True):
+    """HTTP → the scheduler, and → the detokenizer (which drops the rid's decode state).
+    `reason`: "client" (a disconnect or /abort_request) or "shutdown" (the drain ran out)."""
 
     rid: str = ""
     abort_all: bool = False
     reason: str = "client"
 
 
-class SetPausedReq(msgspec.Struct):
+class SetPausedReq(Message):
     """HTTP → a model's scheduler, fire and forget (ordered with the requests on the same
     socket): paused, the scheduler runs no forward step; requests queue, aborts and timeouts
     are still processed."""
@@ -90,26 +183,37 @@ class SetPausedReq(msgspec.Struct):
     paused: bool
 
 
-class FinishReason(msgspec.Struct, omit_defaults=True):
-    """Why a request ended. type: "stop" | "length" | "abort".
+class FlushCacheReq(Message):
+    pass
 
-    For "stop", `matched` is the token id (EOS or a stop token id) or the stop string that
-    matched. For "abort", `message`, `status_code` and `code` describe the error to return.
+
+class GetInternalStateReq(Message):
+    pass
+
+
+class OpenSessionReq(Message, omit_defaults=True):
+    """Open a session (the TokenizerManager picks `session_id` when the client gave none).
+
+    `timeout`: seconds idle (no turn running) before the scheduler closes it; 0: never.
+    `capacity_of_str_len`: the most tokens a turn's prompt (its context plus the new text) may
+    hold, a longer turn is refused with 400; 0: no limit.
     """
 
-    type: str
-    matched: int | str | None = None
-    message: str | None = None
-    status_code: int = 0
-    code: str | None = None
+    session_id: str
+    timeout: float = 0.0
+    capacity_of_str_len: int = 0
 
 
-class TopLogprobs(msgspec.Struct, array_like=True):
-    token_ids: list[int]
-    logprobs: list[float]
+class CloseSessionReq(Message):
+    """Fire and forget: close a session; an unknown id is ignored."""
+
+    session_id: str
 
 
-class BatchTokenIDOutput(msgspec.Struct):
+# ---------------------------------------------------------------------------- to the detokenizer
+
+
+class BatchTokenIDOutput(Message):
     """Scheduler → detokenizer. Lists are parallel, one entry per request in this update.
 
     `new_token_ids[i]` are the tokens produced since the previous update for `rids[i]`.
@@ -134,7 +238,12 @@ class BatchTokenIDOutput(msgspec.Struct):
     reply_to: list[str]
 
 
-class BatchStrOutput(msgspec.Struct):
+# ---------------------------------------------------------------------------- to the HTTP process
+# BatchStrOutput is the detokenizer's; the others are the scheduler's, passed on unchanged by
+# the detokenizer (an encoder's scheduler sends them straight to its manager)
+
+
+class BatchStrOutput(Message):
     """Detokenizer → TokenizerManager. `texts[i]` is the new text since the previous update."""
 
     rids: list[str]
@@ -150,131 +259,7 @@ class BatchStrOutput(msgspec.Struct):
     input_top_logprobs: list[list[TopLogprobs | None]]
 
 
-class FlushCacheReq(msgspec.Struct):
-    pass
-
-
-class GetInternalStateReq(msgspec.Struct):
-    pass
-
-
-class OpenSessionReq(msgspec.Struct, omit_defaults=True):
-    """Open a session (the TokenizerManager picks `session_id` when the client gave none).
-
-    `timeout`: seconds idle (no turn running) before the scheduler closes it; 0: never.
-    `capacity_of_str_len`: the most tokens a turn's prompt (its context plus the new text) may
-    hold, a longer turn is refused with 400; 0: no limit.
-    """
-
-    session_id: str
-    timeout: float = 0.0
-    capacity_of_str_len: int = 0
-
-
-class OpenSessionReply(msgspec.Struct, omit_defaults=True):
-    """Scheduler → detokenizer → TokenizerManager, answering OpenSessionReq."""
-
-    session_id: str
-    success: bool
-    message: str = ""
-
-
-class CloseSessionReq(msgspec.Struct):
-    """Fire and forget: close a session; an unknown id is ignored."""
-
-    session_id: str
-
-
-class InternalState(msgspec.Struct):
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_total: int
-    kv_free: int
-    kv_cached: int
-    kv_in_use: int
-    last_heartbeat: float
-    num_retractions: int = 0
-    num_sessions: int = 0
-    device: str = ""  # where the model runs, as resolved at start-up (e.g. "cpu", "cuda")
-    dtype: str = ""  # e.g. "float32"
-    paused: bool = False  # by /pause_generation: no forward step runs until it is continued
-    num_grammar_reqs: int = 0  # requests waiting for their grammar to compile
-
-
-class SchedulerHeartbeat(msgspec.Struct):
-    """Scheduler → detokenizer → TokenizerManager, at least every heartbeat interval, busy or
-    idle: the readiness check's proof that the scheduler loop turns."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-
-
-class ModelInfo(msgspec.Struct, omit_defaults=True):
-    """What a model process reports when it is ready: its settings as resolved at start-up."""
-
-    model_name: str
-    hf_dir: str
-    context_len: int
-    vocab_size: int
-    task: str = "generate"  # "generate" | "embed" | "rerank"
-    dimensions: int = 0  # width of a pooled vector (an embedding; the decoder's hidden size)
-    max_total_tokens: int = 0  # the KV pool; 0: none (an encoder)
-    max_running_requests: int = 0
-    num_threads: int = 0
-    device: str = ""
-    dtype: str = ""
-
-
-class ReadyMsg(msgspec.Struct):
-    """A child process's start-up handshake (`info`: a model process's, when it is one)."""
-
-    process: str
-    info: ModelInfo | None = None
-    error: str | None = None
-
-
-class InternalStateReply(msgspec.Struct):
-    """Scheduler → detokenizer → TokenizerManager, answering GetInternalStateReq.
-
-    The detokenizer fills `num_detokenizer_states` on the way through, so both figures describe
-    the same moment of the scheduler's output stream.
-    """
-
-    state: InternalState
-    num_detokenizer_states: int = 0
-
-
-class FlushCacheReply(msgspec.Struct):
-    """Scheduler → detokenizer → TokenizerManager, answering FlushCacheReq."""
-
-    success: bool
-
-
-class TokenizedEmbeddingReqInput(msgspec.Struct, omit_defaults=True):
-    """One input of an embedding or scoring request (prefill only, no generated tokens).
-
-    For an encoder model: the pooled vector, or a cross-encoder's scores; `token_type_ids` is set
-    for a (query, document) pair of a cross-encoder.
-    For a decoder model, `label_token_ids` picks the mode:
-      - None: an embedding, the final-norm hidden state of the last prompt token, L2-normalized;
-      - a list: scores, the log-probabilities (log_softmax over the whole vocabulary at the last
-        prompt position, i.e. of the next token) of exactly these token ids, in this order.
-    An encoder refuses `label_token_ids` (400). Results travel as float32 in a
-    BatchEmbeddingOutput.
-    """
-
-    rid: str
-    input_ids: list[int]
-    token_type_ids: list[int] | None = None
-    label_token_ids: list[int] | None = None
-    reply_to: str = ""
-
-
-class BatchTokenizedEmbeddingReqInput(msgspec.Struct):
-    reqs: list[TokenizedEmbeddingReqInput]
-
-
-class BatchEmbeddingOutput(msgspec.Struct):
+class BatchEmbeddingOutput(Message):
     """Scheduler (encoder or decoder) → (detokenizer, unchanged) → its manager. Lists are
     parallel; it answers TokenizedEmbeddingReqInput and BatchTokenizedEmbeddingReqInput.
 
@@ -290,3 +275,64 @@ class BatchEmbeddingOutput(msgspec.Struct):
     finished_reasons: list[FinishReason]
     reply_to: list[str]
     cached_tokens: list[int] = []
+
+
+class InternalStateReply(Message):
+    """Scheduler → detokenizer → TokenizerManager, answering GetInternalStateReq.
+
+    The detokenizer fills `num_detokenizer_states` on the way through, so both figures describe
+    the same moment of the scheduler's output stream.
+    """
+
+    state: InternalState
+    num_detokenizer_states: int = 0
+
+
+class FlushCacheReply(Message):
+    """Scheduler → detokenizer → TokenizerManager, answering FlushCacheReq."""
+
+    success: bool
+
+
+class OpenSessionReply(Message, omit_defaults=True):
+    """Scheduler → detokenizer → TokenizerManager, answering OpenSessionReq."""
+
+    session_id: str
+    success: bool
+    message: str = ""
+
+
+class SchedulerHeartbeat(Message):
+    """Scheduler → detokenizer → TokenizerManager, at least every heartbeat interval, busy or
+    idle: the readiness check's proof that the scheduler loop turns."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+
+
+# ---------------------------------------------------------------------------- to the launcher
+
+
+class ReadyMsg(Message):
+    """A child process's start-up handshake, on its pipe (`info`: a model process's, when it is
+    one)."""
+
+    process: str
+    info: ModelInfo | None = None
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------- by receiver
+
+ToScheduler = (
+    TokenizedGenerateReqInput | BatchTokenizedGenerateReqInput | TokenizedEmbeddingReqInput
+    | BatchTokenizedEmbeddingReqInput | AbortReq | SetPausedReq | FlushCacheReq
+    | GetInternalStateReq | OpenSessionReq | CloseSessionReq
+)  # fmt: skip
+# what the scheduler sends that only the HTTP process reads: the detokenizer passes it on
+PassedOn = (
+    BatchEmbeddingOutput | InternalStateReply | FlushCacheReply | OpenSessionReply
+    | SchedulerHeartbeat
+)  # fmt: skip
+ToDetokenizer = BatchTokenIDOutput | AbortReq | PassedOn
+ToHttp = BatchStrOutput | PassedOn

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from sluice.model.loader import build_dir_once, default_model_path, gguf_cache_dir, prepare_hf_dir
+from sluice.checkpoint.hf_dir import (
+    build_dir_once,
+    default_model_path,
+    gguf_cache_dir,
+    prepare_hf_dir,
+)
 from sluice.utils.envs import cache_dir
 from tests.tiny_models import make_tiny_llama, make_tiny_qwen2
 

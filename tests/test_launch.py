@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import psutil
 import pytest
 
@@ -25,10 +26,14 @@ from sluice.launch import ServingProcesses
 from sluice.messages import (
     AbortReq,
     BatchTokenizedGenerateReqInput,
+    FlushCacheReply,
     ModelInfo,
     ReadyMsg,
     SamplingParams,
+    ToDetokenizer,
+    ToHttp,
     TokenizedGenerateReqInput,
+    ToScheduler,
 )
 from sluice.tokenizer.generate_input import GenerateReqInput
 from sluice.tokenizer.manager import RequestError
@@ -55,18 +60,23 @@ def test_messages_roundtrip_typed_and_malformed_frames_are_rejected() -> None:
         rid="r", input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4, stop=["x"])
     )
     batch = BatchTokenizedGenerateReqInput([req, req])
-    for msg in (
-        req,
-        batch,
-        AbortReq(rid="r"),
-        ReadyMsg("scheduler", info=ModelInfo("m", "/d", 8, 16)),
+    to_scheduler = ipc.Inbox(ToScheduler)
+    for msg, inbox in (
+        (req, to_scheduler),
+        (batch, to_scheduler),
+        (AbortReq(rid="r"), to_scheduler),
+        (AbortReq(rid="r"), ipc.Inbox(ToDetokenizer)),
+        (ReadyMsg("scheduler", info=ModelInfo("m", "/d", 8, 16)), ipc.Inbox(ReadyMsg)),
     ):
-        frames = ipc.encode(msg)
-        assert frames[0] == type(msg).__name__.encode()
-        assert ipc.decode(frames) == msg
-    for frames in ([b"AbortReq"], [b"Nope", b"\x80"], [b"AbortReq", b"\xc1"]):
+        data = ipc.encode(msg)
+        assert msgspec.msgpack.decode(data)["type"] == type(msg).__name__
+        assert inbox.decode(data) == msg
+    nope = msgspec.msgpack.encode({"type": "Nope"})
+    for data in (b"", nope, b"\xc1", ipc.encode(FlushCacheReply(True))):
         with pytest.raises(ValueError):
-            ipc.decode(frames)
+            to_scheduler.decode(data)  # a reply is not a message the scheduler takes
+    with pytest.raises(ValueError):
+        ipc.Inbox(ToHttp).decode(ipc.encode(AbortReq(rid="r")))
     with pytest.raises(TypeError):
         ipc.encode(ServerArgs())  # type: ignore[arg-type]
 

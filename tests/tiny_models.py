@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from sluice.model.loader import default_model_path, prepare_hf_dir
+from sluice.checkpoint.hf_dir import default_model_path, prepare_hf_dir
 
 SEED = 1234
 _MODEL_FILES = ("config.json", "generation_config.json")

@@ -23,6 +23,7 @@ from sluice.messages import (
     BatchTokenIDOutput,
     InternalStateReply,
     ReadyMsg,
+    ToDetokenizer,
 )
 from sluice.utils import ipc
 
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 PROCESS_TITLE = "sluice::detokenizer"
 WAKE_MS = 200
+INBOX = ipc.Inbox(ToDetokenizer)
 
 
 def run_detokenizer_process(
@@ -64,23 +66,24 @@ class DetokenizerLoop:
         thread (the launcher's stop) runs its Python handler only when this thread wakes."""
         while True:
             if self.recv_sock.poll(WAKE_MS):
-                self.handle(self.recv_sock.recv_multipart())
+                self.handle(self.recv_sock.recv())
 
-    def handle(self, frames: list[bytes]) -> None:
+    def handle(self, data: bytes) -> None:
         try:
-            msg = ipc.decode(frames)
+            msg = INBOX.decode(data)
         except ValueError as e:
             logger.error("dropped a message: %s", e)
             return
-        if isinstance(msg, BatchTokenIDOutput):
-            ipc.send(self.send_sock, self._detokenize(msg))
-        elif isinstance(msg, AbortReq):
-            self.manager.abort(msg.rid)
-        elif isinstance(msg, InternalStateReply):
-            msg.num_detokenizer_states = self.manager.num_states()
-            ipc.send(self.send_sock, msg)
-        else:
-            ipc.send(self.send_sock, msg)
+        match msg:
+            case BatchTokenIDOutput():
+                ipc.send(self.send_sock, self._detokenize(msg))
+            case AbortReq():
+                self.manager.abort(msg.rid)
+            case InternalStateReply():
+                msg.num_detokenizer_states = self.manager.num_states()
+                ipc.send(self.send_sock, msg)
+            case _:  # the rest of `PassedOn`: replies, heartbeats, pooled outputs
+                ipc.send(self.send_sock, msg)
 
     def _detokenize(self, out: BatchTokenIDOutput) -> BatchStrOutput:
         try:

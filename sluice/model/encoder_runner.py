@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sluice.model.encoder_config import EncoderConfig
+from sluice.checkpoint.encoder_config import EncoderConfig
 from sluice.model.loader import iter_hf_weights
 from sluice.model.models.bert import (
     BertForSequenceClassification,

@@ -12,12 +12,12 @@ import time
 import torch
 from torch import nn
 
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.model.attention import select_backends
 from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.kv_cache import KVCache
 from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
-from sluice.model.model_config import ModelConfig
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from sluice.utils.system import cpu_flags, native_bf16_flag
 

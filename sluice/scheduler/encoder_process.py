@@ -46,7 +46,7 @@ class EncoderCore(SchedulerCore):
     def load(cls, args: ServerArgs) -> EncoderCore:
         import torch
 
-        from sluice.model.encoder_config import load_encoder_config
+        from sluice.checkpoint.encoder_config import load_encoder_config
         from sluice.model.encoder_runner import EncoderRunner
         from sluice.model.runner import resolve_device, resolve_dtype
         from sluice.scheduler.encoder import EncoderScheduler

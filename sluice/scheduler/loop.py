@@ -41,6 +41,7 @@ from sluice.messages import (
     SetPausedReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    ToScheduler,
 )
 from sluice.utils import ipc
 
@@ -49,8 +50,10 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 200
 
 Request = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
-GENERATE_REQ_TYPES = (b"TokenizedGenerateReqInput", b"BatchTokenizedGenerateReqInput")
-EMBEDDING_REQ_TYPES = (b"TokenizedEmbeddingReqInput", b"BatchTokenizedEmbeddingReqInput")
+GENERATE_REQ_TYPES = ("TokenizedGenerateReqInput", "BatchTokenizedGenerateReqInput")
+EMBEDDING_REQ_TYPES = ("TokenizedEmbeddingReqInput", "BatchTokenizedEmbeddingReqInput")
+REQUEST_TYPES = GENERATE_REQ_TYPES + EMBEDDING_REQ_TYPES  # tags of the messages with requests
+INBOX = ipc.Inbox(ToScheduler)
 
 
 class ModelCore(Protocol):
@@ -67,7 +70,7 @@ class ModelCore(Protocol):
         """Take one request in; an output to send at once, or None."""
         ...
 
-    def handle_control(self, msg: Any) -> Any | None:
+    def handle_control(self, msg: ToScheduler) -> Any | None:
         """Any other message; a reply to send, or None. Raises UnknownMessage for a type it
         does not take."""
         ...
@@ -100,7 +103,7 @@ class SchedulerCore:
     def is_paused(self) -> bool:
         return self.scheduler.paused
 
-    def handle_control(self, msg: Any) -> Any | None:
+    def handle_control(self, msg: ToScheduler) -> Any | None:
         s = self.scheduler
         match msg:
             case AbortReq():
@@ -149,8 +152,8 @@ class ModelLoop:
     def run_once(self) -> None:
         core = self.core
         busy = core.has_work() and not core.is_paused()
-        for frames in ipc.recv_all(self.recv_sock, 0 if busy else IDLE_POLL_MS):
-            self._take(frames)
+        for data in ipc.recv_all(self.recv_sock, 0 if busy else IDLE_POLL_MS):
+            self._take(data)
         if core.has_work():
             for out in core.step():
                 ipc.send(self.send_sock, out)
@@ -158,21 +161,22 @@ class ModelLoop:
         if self.heartbeat.due():
             ipc.send(self.send_sock, core.heartbeat())
 
-    def _take(self, frames: list[bytes]) -> None:
+    def _take(self, data: bytes) -> None:
         try:
-            msg = ipc.decode(frames)
+            msg = INBOX.decode(data)
         except ValueError as e:
             logger.error("dropped a message: %s", e)
-            for out in _undecodable_outputs(frames, f"malformed request: {e}"):
+            for out in _undecodable_outputs(data, f"malformed request: {e}"):
                 ipc.send(self.send_sock, out)
             return
-        if isinstance(msg, BatchTokenizedGenerateReqInput | BatchTokenizedEmbeddingReqInput):
-            for req in msg.reqs:
-                self._take_request(req)
-        elif isinstance(msg, TokenizedGenerateReqInput | TokenizedEmbeddingReqInput):
-            self._take_request(msg)
-        else:
-            self._take_control(msg)
+        match msg:
+            case BatchTokenizedGenerateReqInput() | BatchTokenizedEmbeddingReqInput():
+                for req in msg.reqs:
+                    self._take_request(req)
+            case TokenizedGenerateReqInput() | TokenizedEmbeddingReqInput():
+                self._take_request(msg)
+            case _:
+                self._take_control(msg)
 
     def _take_request(self, req: Request) -> None:
         try:
@@ -183,7 +187,7 @@ class ModelLoop:
         if out is not None:
             ipc.send(self.send_sock, out)
 
-    def _take_control(self, msg: Any) -> None:
+    def _take_control(self, msg: ToScheduler) -> None:
         """A failing control message still gets its reply (its caller waits for one, in order);
         one whose reply cannot be made without the scheduler (internal state) ends the process."""
         try:
@@ -217,21 +221,25 @@ def abort_output(req: Request, message: str, status_code: int) -> Any:
     )  # fmt: skip
 
 
-def _failure_reply(msg: Any, error: str) -> Any | None:
+def _failure_reply(msg: ToScheduler, error: str) -> Any | None:
     """The reply that says `msg` failed, for the messages that expect one."""
-    if isinstance(msg, FlushCacheReq):
-        return FlushCacheReply(False)
-    if isinstance(msg, OpenSessionReq):
-        return OpenSessionReply(msg.session_id, False, f"the scheduler failed: {error}")
+    match msg:
+        case FlushCacheReq():
+            return FlushCacheReply(False)
+        case OpenSessionReq():
+            return OpenSessionReply(msg.session_id, False, f"the scheduler failed: {error}")
     return None
 
 
-def _undecodable_outputs(frames: list[bytes], message: str) -> list[Any]:
+def _undecodable_outputs(data: bytes, message: str) -> list[Any]:
     """A request that fails to decode still has a waiting client: a 400 for each request inside
     it whose rid and reply address can be read at all."""
-    pooled = bool(frames) and bytes(frames[0]) in EMBEDDING_REQ_TYPES
+    raw = _raw_request(data)
+    if raw is None:
+        return []
+    pooled = raw["type"] in EMBEDDING_REQ_TYPES
     outs = []
-    for rid, reply_to in _rids_of(frames):
+    for rid, reply_to in _rids_of(raw):
         req: Request
         if pooled:
             req = TokenizedEmbeddingReqInput(rid=rid, input_ids=[], reply_to=reply_to)
@@ -241,15 +249,22 @@ def _undecodable_outputs(frames: list[bytes], message: str) -> list[Any]:
     return outs
 
 
-def _rids_of(frames: list[bytes]) -> list[tuple[str, str]]:
-    """(rid, reply_to) of each request inside an undecodable request message, best effort."""
-    if len(frames) != 2 or bytes(frames[0]) not in GENERATE_REQ_TYPES + EMBEDDING_REQ_TYPES:
-        return []
+def _raw_request(data: bytes) -> dict[str, Any] | None:
+    """The plain map of an undecodable message tagged as a request; None for anything else."""
     try:
-        raw = msgspec.msgpack.decode(frames[1])
+        raw = msgspec.msgpack.decode(data)
     except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") not in REQUEST_TYPES:
+        return None
+    return raw
+
+
+def _rids_of(raw: dict[str, Any]) -> list[tuple[str, str]]:
+    """(rid, reply_to) of each request inside an undecodable request message, best effort."""
+    items = raw["reqs"] if "reqs" in raw else [raw]
+    if not isinstance(items, list):
         return []
-    items = raw.get("reqs", []) if isinstance(raw, dict) and "reqs" in raw else [raw]
     return [
         (it["rid"], str(it.get("reply_to", "")))
         for it in items

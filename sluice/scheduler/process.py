@@ -2,7 +2,7 @@
 states the loop's guarantees). Each step's outputs go to the detokenizer: the
 BatchTokenIDOutput of generation requests, then the BatchEmbeddingOutput of the pooled
 (embedding / scoring) requests that finished, which the detokenizer passes on unchanged.
-SIGTERM exits 0.
+The launcher's STOP_SIGNAL exits 0 (`ipc.exit_on_stop_signal`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PROCESS_TITLE = "sluice::scheduler"
 def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any) -> None:
     """Entry point of the spawned process: build, report ready (or the error), then loop.
     An encoder model (embeddings, cross-encoder) gets the EncoderScheduler's core instead."""
-    from sluice.model.encoder_config import is_encoder_model
+    from sluice.checkpoint.encoder_config import is_encoder_model
 
     if is_encoder_model(args.model_path):
         from sluice.scheduler.encoder_process import run_encoder_process
@@ -46,7 +46,7 @@ class DecoderCore(SchedulerCore):
     def load(cls, args: ServerArgs) -> DecoderCore:
         import torch
 
-        from sluice.model.loader import load_model_config
+        from sluice.checkpoint.hf_dir import load_model_config
         from sluice.scheduler.resources import resolve_resources
         from sluice.scheduler.scheduler import Scheduler
         from sluice.utils.tokenizer import get_tokenizer

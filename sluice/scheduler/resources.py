@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.config import ServerArgs
 from sluice.model.kv_cache import KVCache
-from sluice.model.model_config import ModelConfig
 from sluice.model.runner import resolve_device, resolve_dtype
 from sluice.utils.system import available_cpus, available_memory_bytes
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from sluice.aborts import abort, aborted, internal_error, invalid, shutdown
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
@@ -38,7 +39,6 @@ from sluice.messages import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from sluice.model.model_config import ModelConfig
 from sluice.model.runner import ModelRunner
 from sluice.scheduler.batch import (
     StepOutput,

@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from sluice.checkpoint.encoder_config import default_embedding_model_path, is_encoder_model
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
@@ -50,11 +51,11 @@ from sluice.messages import (
     SetPausedReq,
     TokenizedEmbeddingReqInput,
 )
-from sluice.model.encoder_config import default_embedding_model_path, is_encoder_model
 from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.model_client import (
     PROCESS_FAILURE,
     ModelClient,
+    OwnsClient,
     shutting_down_error,
     unavailable_error,
 )
@@ -454,9 +455,9 @@ class EmbeddingManager:
             self._executor.shutdown(wait=False)
 
 
-class EncoderManager(EmbeddingManager):
+class EncoderManager(OwnsClient, EmbeddingManager):
     """An extra encoder model's manager: its ModelClient holds the sockets to its scheduler
-    process and the loop that receives from it. Its health is the client's."""
+    process and the loop that receives from it. Its health is the client's (OwnsClient)."""
 
     def __init__(
         self, tokenizer: Any, addrs: ipc.IpcAddrs, info: ModelInfo, max_queued: int = 0
@@ -469,22 +470,6 @@ class EncoderManager(EmbeddingManager):
             tokenizer, info, self.client.send, self.client.reply_to, admit=self._admit_queued
         )
         self.client.on(BatchEmbeddingOutput, self.on_output)
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.client.is_healthy
-
-    @is_healthy.setter
-    def is_healthy(self, value: bool) -> None:
-        self.client.is_healthy = value
-
-    @property
-    def last_scheduler_contact(self) -> float:
-        return self.client.last_scheduler_contact
-
-    @property
-    def heartbeat_seen(self) -> bool:
-        return self.client.heartbeat_seen
 
     def _admit_queued(self, num_reqs: int) -> None:
         err = queue_full_error(len(self.pending), num_reqs, self._max_running, self._max_queued)

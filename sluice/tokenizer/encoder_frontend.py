@@ -13,18 +13,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sluice.model.encoder_config import EncoderConfig
+from sluice.checkpoint.encoder_config import EncoderConfig
 from sluice.tokenizer.embedding_manager import EncoderManager
+from sluice.tokenizer.model_client import OwnsClient
 from sluice.tokenizer.normalize import RequestError
 
 
-class EncoderFrontend:
+class EncoderFrontend(OwnsClient):  # its health: its manager's client's
     can_generate = False
     embedding_manager = None  # the decoder's pooled requests: there is no decoder
     counters = None
 
     def __init__(self, manager: EncoderManager, cfg: EncoderConfig) -> None:
         self.manager = manager
+        self.client = manager.client
         self.model_config = cfg
         self.model_name = manager.model_name
         self.tokenizer = manager.tokenizer
@@ -48,18 +50,6 @@ class EncoderFrontend:
 
     def abort_all_for_shutdown(self) -> int:
         return 0
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.manager.is_healthy
-
-    @property
-    def last_scheduler_contact(self) -> float:
-        return self.manager.last_scheduler_contact
-
-    @property
-    def heartbeat_seen(self) -> bool:
-        return self.manager.heartbeat_seen
 
     # ---- what a generation model would do ------------------------------------------------
 

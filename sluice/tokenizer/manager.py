@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 
 from sluice.aborts import SHUTDOWN_MESSAGE, aborted, shutdown, unavailable
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
@@ -57,12 +58,11 @@ from sluice.messages import (
     SetPausedReq,
     TokenizedGenerateReqInput,
 )
-from sluice.model.model_config import ModelConfig
 from sluice.tokenizer import chat
 from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.embedding_manager import EmbeddingManager, decoder_info
 from sluice.tokenizer.generate_input import GenerateReqInput
-from sluice.tokenizer.model_client import ModelClient, shutting_down_error
+from sluice.tokenizer.model_client import ModelClient, OwnsClient, shutting_down_error
 from sluice.tokenizer.normalize import (
     Item,
     RequestError,
@@ -79,7 +79,7 @@ __all__ = ["ReqState", "RequestError", "TokenizerManager"]
 CONTROL_REPLIES = (InternalStateReply, FlushCacheReply, OpenSessionReply)
 
 
-class TokenizerManager:
+class TokenizerManager(OwnsClient):
     can_generate = True
     manager = None  # MainModel's encoder manager: a decoder has none
 
@@ -116,18 +116,6 @@ class TokenizerManager:
         self.client.on(BatchStrOutput, self._handle_batch_output)
         # the detokenizer passes them through unchanged
         self.client.on(BatchEmbeddingOutput, self.embedding_manager.on_output)
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.client.is_healthy
-
-    @property
-    def last_scheduler_contact(self) -> float:
-        return self.client.last_scheduler_contact
-
-    @property
-    def heartbeat_seen(self) -> bool:
-        return self.client.heartbeat_seen
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -6,10 +6,11 @@ one, the PULL that everything comes back on), the receive loop, the control call
 health of that model as this process sees it. Request logic stays with the managers: each
 registers a handler per output type (`on`) and fails its own requests on a child's death.
 
-Receive loop guarantee: every message is handed to its handler in arrival order, on the event
-loop; a message that fails to decode or to be handled is logged and the loop goes on. Any
-message, a heartbeat included, counts as contact (`last_scheduler_contact`); a model whose
-loop sends no heartbeat is never judged silent (`heartbeat_seen` stays False).
+Receive loop guarantee: every message (one of `messages.ToHttp`) is handed on in arrival order,
+on the event loop: an output to its handler, a control reply to its caller; a message that fails
+to decode or to be handled is logged and the loop goes on. Any message, a heartbeat included,
+counts as contact (`last_scheduler_contact`); a model whose loop sends no heartbeat is never
+judged silent (`heartbeat_seen` stays False).
 
 Control calls: the scheduler answers each kind of control message in the order it got them,
 so each reply type this client takes (`replies`) has one FIFO of waiting futures. A call that
@@ -28,7 +29,16 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from sluice.messages import AbortReq, SchedulerHeartbeat
+from sluice.messages import (
+    AbortReq,
+    BatchEmbeddingOutput,
+    BatchStrOutput,
+    FlushCacheReply,
+    InternalStateReply,
+    OpenSessionReply,
+    SchedulerHeartbeat,
+    ToHttp,
+)
 from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.normalize import RequestError
 from sluice.utils import ipc
@@ -37,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 60.0
 PROCESS_FAILURE = "the server is shutting down after a process failure"
+INBOX = ipc.Inbox(ToHttp)
 
 
 class HeardFrom(Protocol):
@@ -75,7 +86,8 @@ class ModelClient:
         self._loop_task: asyncio.Task[None] | None = None
 
     def on(self, msg_type: type, handler: Callable[[Any], None]) -> None:
-        """Hand every arriving `msg_type` to `handler` (on the event loop)."""
+        """Hand every arriving output of `msg_type` (BatchStrOutput, BatchEmbeddingOutput) to
+        `handler` (on the event loop)."""
         self._handlers[msg_type] = handler
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -136,26 +148,51 @@ class ModelClient:
 
     async def _handle_loop(self) -> None:
         while True:
-            frames = await self._recv_sock.recv_multipart()
+            data = await self._recv_sock.recv()
             self.last_scheduler_contact = time.monotonic()
             try:
-                self._dispatch(ipc.decode(frames))
+                self._dispatch(INBOX.decode(data))
             except Exception:  # this loop must outlive any one bad message
                 logger.exception("failed to handle a message from the %s", self._peer)
 
-    def _dispatch(self, msg: Any) -> None:
-        handler = self._handlers.get(type(msg))
-        if handler is not None:
-            handler(msg)
-        elif type(msg) in self._waiters:
-            _resolve_first(self._waiters[type(msg)], msg)
-        elif isinstance(msg, SchedulerHeartbeat):
-            self.heartbeat_seen = True  # its arrival is the news
-        else:
-            logger.error("dropped a message of unexpected type %s", type(msg).__name__)
+    def _dispatch(self, msg: ToHttp) -> None:
+        match msg:
+            case BatchStrOutput() | BatchEmbeddingOutput():
+                handler = self._handlers.get(type(msg))
+                if handler is None:
+                    logger.error("dropped a %s: nothing here takes it", type(msg).__name__)
+                else:
+                    handler(msg)
+            case InternalStateReply() | FlushCacheReply() | OpenSessionReply():
+                _resolve_first(self._waiters.get(type(msg)), msg)
+            case SchedulerHeartbeat():
+                self.heartbeat_seen = True  # its arrival is the news
 
 
-def _resolve_first(waiters: deque[asyncio.Future[Any]], reply: Any) -> None:
+class OwnsClient:
+    """The health of a ModelClient's owner (a manager, or the main model standing for one), as
+    the HTTP layer reads it: its `client`'s."""
+
+    client: ModelClient
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.client.is_healthy
+
+    @is_healthy.setter
+    def is_healthy(self, value: bool) -> None:
+        self.client.is_healthy = value
+
+    @property
+    def last_scheduler_contact(self) -> float:
+        return self.client.last_scheduler_contact
+
+    @property
+    def heartbeat_seen(self) -> bool:
+        return self.client.heartbeat_seen
+
+
+def _resolve_first(waiters: deque[asyncio.Future[Any]] | None, reply: Any) -> None:
     if not waiters:
         logger.warning("dropped an unexpected %s", type(reply).__name__)
         return

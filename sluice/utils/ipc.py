@@ -1,8 +1,9 @@
 """Framing of `sluice.messages` structs over ZMQ, and the plumbing every child process shares.
 
-A message travels as two frames: [type name, msgpack payload]. The type name selects the struct
-to decode into, so one socket carries several message types and decoding is typed (no pickle).
-Only structs defined in `sluice.messages` can be sent.
+A message travels as one frame: its msgpack encoding, tagged with its type (`messages.Message`).
+Each receiver decodes with the `Inbox` of the closed union it takes (`messages.ToScheduler`,
+`ToDetokenizer`, `ToHttp`), so one socket carries several message types, decoding is typed (no
+pickle) and a message its receiver does not take is malformed there.
 
 Socket layout (every PULL binds, every PUSH connects, all under one private temp dir):
   TokenizerManager ──▶ scheduler_in    (requests, aborts, control requests)
@@ -13,7 +14,6 @@ Socket layout (every PULL binds, every PUSH connects, all under one private temp
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import shutil
@@ -34,15 +34,7 @@ from sluice import messages
 
 logger = logging.getLogger(__name__)
 
-MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
-    name: cls
-    for name, cls in vars(messages).items()
-    if inspect.isclass(cls)
-    and issubclass(cls, msgspec.Struct)
-    and cls.__module__ == messages.__name__
-}
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODERS = {name.encode(): msgspec.msgpack.Decoder(cls) for name, cls in MESSAGE_TYPES.items()}
 
 
 class HeartbeatTimer:
@@ -61,38 +53,39 @@ class HeartbeatTimer:
         return True
 
 
-def encode(msg: msgspec.Struct) -> list[bytes]:
-    name = type(msg).__name__
-    if MESSAGE_TYPES.get(name) is not type(msg):
+def encode(msg: messages.Message) -> bytes:
+    if not isinstance(msg, messages.Message):
         raise TypeError(f"{type(msg)!r} is not a message of sluice.messages")
-    return [name.encode(), _ENCODER.encode(msg)]
+    return _ENCODER.encode(msg)
 
 
-def decode(frames: list[bytes]) -> Any:
-    """The struct that `encode` framed; ValueError for anything malformed."""
-    if len(frames) != 2:
-        raise ValueError(f"a message has 2 frames, got {len(frames)}")
-    decoder = _DECODERS.get(bytes(frames[0]))
-    if decoder is None:
-        raise ValueError(f"unknown message type {bytes(frames[0])[:64]!r}")
-    try:
-        return decoder.decode(frames[1])
-    except msgspec.DecodeError as e:
-        raise ValueError(f"malformed {bytes(frames[0]).decode()}: {e}") from e
+class Inbox:
+    """The decoder of one receiver: `union` is the closed union of the messages it takes."""
+
+    def __init__(self, union: Any) -> None:
+        self._decoder = msgspec.msgpack.Decoder(union)
+
+    def decode(self, data: bytes) -> Any:
+        """The message `encode` made; ValueError for anything malformed, and for a message
+        of a type this receiver does not take."""
+        try:
+            return self._decoder.decode(data)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"malformed message: {e}") from e
 
 
-def send(sock: zmq.Socket, msg: msgspec.Struct) -> None:
-    sock.send_multipart(encode(msg), copy=False)
+def send(sock: zmq.Socket, msg: messages.Message) -> None:
+    sock.send(encode(msg), copy=False)
 
 
-def recv_all(sock: zmq.Socket, timeout_ms: int) -> list[list[bytes]]:
-    """Every frame list waiting on `sock`, after waiting up to `timeout_ms` for the first."""
-    batch: list[list[bytes]] = []
+def recv_all(sock: zmq.Socket, timeout_ms: int) -> list[bytes]:
+    """Every message waiting on `sock`, after waiting up to `timeout_ms` for the first."""
+    batch: list[bytes] = []
     if timeout_ms > 0 and not sock.poll(timeout_ms, zmq.POLLIN):
         return batch
     while True:
         try:
-            batch.append(sock.recv_multipart(zmq.NOBLOCK))
+            batch.append(sock.recv(zmq.NOBLOCK))
         except zmq.Again:
             return batch
 
@@ -179,8 +172,9 @@ def report_ready(conn: Any, msg: messages.ReadyMsg) -> None:
 
 def run_child(title: str, log_level: str, ready_conn: Any, build: Callable[[], Any]) -> None:
     """Entry of a model-serving child: name the process, build its loop, report ready (or the
-    start-up traceback, then exit 1), and run the loop until the launcher stops it (SIGTERM:
-    `exit_on_stop_signal`). `build()` returns an object with `info() -> dict` and `run_forever()`."""
+    start-up traceback, then exit 1), and run the loop until the launcher stops it (STOP_SIGNAL:
+    `exit_on_stop_signal`). `build()` returns an object with `info() -> ModelInfo` and
+    `run_forever()`."""
     setup_child_process(title, log_level)
     try:
         loop = build()
@@ -216,5 +210,9 @@ def _exit_now(signum: int, frame: Any) -> None:
     os._exit(0)
 
 
+_READY = Inbox(messages.ReadyMsg)
+
+
 def read_ready(data: bytes) -> messages.ReadyMsg:
-    return msgspec.msgpack.decode(data, type=messages.ReadyMsg)
+    """The handshake `report_ready` sent; ValueError for anything malformed."""
+    return _READY.decode(data)

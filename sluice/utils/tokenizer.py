@@ -1,4 +1,4 @@
-"""Loading the tokenizer of a model directory (Hugging Face layout, see sluice.model.loader)."""
+"""Loading the tokenizer of a model directory (Hugging Face layout, see sluice.checkpoint.hf_dir)."""
 
 from __future__ import annotations
 

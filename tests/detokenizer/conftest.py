@@ -15,7 +15,7 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
     try:
-        from sluice.model.loader import default_model_path, prepare_hf_dir
+        from sluice.checkpoint.hf_dir import default_model_path, prepare_hf_dir
         from sluice.utils.tokenizer import get_tokenizer
     except ImportError:
         return _load_from_gguf()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.model import kernels
 from sluice.model.attention import (
     CpuKernelAttention,
@@ -23,7 +24,6 @@ from sluice.model.attention import (
 from sluice.model.forward_batch import ForwardBatch, ForwardMode
 from sluice.model.kv_cache import KVCache
 from sluice.model.layers import PagedAttention
-from sluice.model.model_config import ModelConfig
 from sluice.model.runner import ModelRunner
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.model.encoder_config import (
+from sluice.checkpoint.encoder_config import (
     default_embedding_model_path,
     is_encoder_model,
     load_encoder_config,

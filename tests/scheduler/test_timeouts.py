@@ -50,11 +50,15 @@ def test_finished_requests_never_fire_and_the_heap_stays_bounded() -> None:
 def test_an_undecodable_request_still_names_its_rid_for_the_400() -> None:
     import msgspec
 
-    from sluice.scheduler.loop import _rids_of
+    from sluice.scheduler.loop import _raw_request, _rids_of
+
+    def rids(msg: object) -> list[tuple[str, str]]:
+        raw = _raw_request(msg if isinstance(msg, bytes) else msgspec.msgpack.encode(msg))
+        return [] if raw is None else _rids_of(raw)
 
     bad = {"rid": "r1", "input_ids": "not ids", "reply_to": "ipc://x"}
-    frames = [b"TokenizedGenerateReqInput", msgspec.msgpack.encode(bad)]
-    assert _rids_of(frames) == [("r1", "ipc://x")]
-    batch = [b"BatchTokenizedGenerateReqInput", msgspec.msgpack.encode({"reqs": [bad, {"x": 1}]})]
-    assert _rids_of(batch) == [("r1", "ipc://x")]
-    assert _rids_of([b"AbortReq", b"\xc1"]) == [] and _rids_of([b"x"]) == []
+    assert rids({"type": "TokenizedGenerateReqInput", **bad}) == [("r1", "ipc://x")]
+    batch = {"type": "BatchTokenizedGenerateReqInput", "reqs": [bad, {"x": 1}]}
+    assert rids(batch) == [("r1", "ipc://x")]
+    assert rids({"type": "BatchTokenizedGenerateReqInput", "reqs": 5}) == []
+    assert rids({"type": "AbortReq", **bad}) == [] and rids(b"\xc1") == [] and rids(b"x") == []

@@ -422,7 +422,7 @@ def test_yes_no_tokens_must_be_single_tokens() -> None:
 
 
 def test_rerank_prompt_ids_cut_long_documents_and_add_no_second_bos() -> None:
-    from sluice.model.loader import load_model_config
+    from sluice.checkpoint.hf_dir import load_model_config
     from sluice.server.errors import APIError
     from sluice.server.serving_rerank import rerank_prompt, rerank_prompt_ids
     from sluice.utils.tokenizer import get_tokenizer

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
+from sluice.checkpoint.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
 from tests.server.live_server import (
     LiveServer,
     assert_no_state_left,

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
+from sluice.checkpoint.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
 from tests.model.test_bert import SENTENCES, make_tiny_cross_encoder
 from tests.server.live_server import running_server
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import torch
 
-from sluice.model.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
+from sluice.checkpoint.encoder_config import DEFAULT_EMBEDDING_NAME, default_embedding_model_path
 from sluice.model.runner import auto_dtype
 from sluice.server.app import STATE_TIMEOUT_S
 from sluice.utils.system import cpu_flags

@@ -11,14 +11,17 @@ from typing import Any
 import pytest
 import zmq
 
+from sluice.aborts import aborted
 from sluice.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     FlushCacheReply,
     FlushCacheReq,
     OpenSessionReply,
     OpenSessionReq,
     SchedulerHeartbeat,
-    SetPausedReq,
+    ToDetokenizer,
+    ToScheduler,
 )
 from sluice.tokenizer.model_client import ModelClient
 from sluice.tokenizer.normalize import RequestError
@@ -37,7 +40,8 @@ class Peer:
     back: zmq.Socket | None = None
 
     def received(self, sock: zmq.Socket) -> list[Any]:
-        return [ipc.decode(f) for f in ipc.recv_all(sock, 100)]
+        inbox = ipc.Inbox(ToScheduler if sock is self.scheduler else ToDetokenizer)
+        return [inbox.decode(data) for data in ipc.recv_all(sock, 100)]
 
 
 @pytest.fixture
@@ -68,19 +72,20 @@ def test_outputs_go_to_their_handler_and_replies_to_their_callers_in_order(peer:
     async def go() -> None:
         client = await _started(peer)
         got: list[Any] = []
-        client.on(SetPausedReq, got.append)  # any message type may be an output type
+        client.on(BatchEmbeddingOutput, got.append)
+        output = BatchEmbeddingOutput(["e"], [b""], [1], [aborted()], [client.reply_to])
         first = asyncio.create_task(client.control(FlushCacheReq(), FlushCacheReply))
         second = asyncio.create_task(client.control(FlushCacheReq(), FlushCacheReply))
         await asyncio.sleep(0.05)
         assert peer.received(peer.scheduler) == [FlushCacheReq(), FlushCacheReq()]
         assert not client.heartbeat_seen
-        for msg in (FlushCacheReply(True), SetPausedReq(True), FlushCacheReply(False)):
+        for msg in (FlushCacheReply(True), output, FlushCacheReply(False)):
             ipc.send(peer.back, msg)
         ipc.send(peer.back, SchedulerHeartbeat(0, 0))
         assert await asyncio.wait_for(first, 5) == FlushCacheReply(True)
         assert await asyncio.wait_for(second, 5) == FlushCacheReply(False)
         await asyncio.sleep(0.05)
-        assert got == [SetPausedReq(True)] and client.heartbeat_seen
+        assert got == [output] and client.heartbeat_seen
         await client.close()
 
     asyncio.run(go())

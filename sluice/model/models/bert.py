@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.model.encoder_config import EncoderConfig
+from sluice.checkpoint.encoder_config import EncoderConfig
 
 ACTIVATIONS = {
     "gelu": F.gelu,

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.kv_cache import KVCache
 from sluice.model.layers import PagedAttention, RMSNorm, RotaryEmbedding
-from sluice.model.model_config import ModelConfig
 
 # checkpoint name fragment -> (fused name fragment, shard index)
 STACKED = {

@@ -86,6 +86,11 @@ class ServerArgs:
         "between decode steps of the running batch (0: no chunking)",
         at_least=0,
     )  # fmt: skip
+    disable_mixed_prefill: bool = _opt(
+        False,
+        "run prefills in steps of their own; by default the running batch decodes in the same "
+        "forward as a prefill (one pass over the weights, no decode stall while prompts arrive)",
+    )  # fmt: skip
     schedule_policy: str = _opt(
         "fcfs", "fcfs: arrival order; lpm: longest cached prefix first", choices=["fcfs", "lpm"]
     )

@@ -1,7 +1,8 @@
 """Scheduler: continuous batching over a paged KV cache with a radix prefix cache.
 
-One `step()`:  expire deadlines, process aborts → pick the next batch (a prefill if anything can be admitted,
-else one decode step of the running batch) → run it → process the results → emit outputs.
+One `step()`: expire deadlines, process aborts → pick the next batch (a prefill if anything can be
+admitted, with the running batch decoding in the same forward; else one decode step of the running
+batch) → run it → process the results → emit outputs.
 
 Pooled requests (embeddings, label-token scores; `add_embedding_request`) are prefill-only
 `Req`s on the same path (queue, prefix cache, chunking, abort, timeouts, `_release`); they never
@@ -78,7 +79,9 @@ class Scheduler:
         """`runner`: the model (default: loaded from `cfg` as `res` says)."""
         self.args, self.cfg, self.res = args, cfg, res
         self.context_len = res.context_len
-        self.runner = runner or ModelRunner(cfg, res.device, res.dtype, res.max_total_tokens)
+        self.runner = runner or ModelRunner(
+            cfg, res.device, res.dtype, res.max_total_tokens, res.quantization
+        )
         self.allocator = TokenToKVPoolAllocator(res.max_total_tokens)
         self.req_pool = ReqToTokenPool(res.max_running_requests, self.context_len + 1)
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
@@ -293,6 +296,9 @@ class Scheduler:
         return not (self.waiting or self.running or self.chunked_req or self.grammars)
 
     def _step_prefill(self) -> bool:
+        """Admit what fits and prefill it. The running batch decodes in the same forward (a
+        mixed step: one pass over the weights for both, and no decode stall while prompts
+        arrive) unless --disable-mixed-prefill, or the pool cannot hold its next tokens too."""
         if not self.waiting and self.chunked_req is None:
             return False
         budget = self.args.max_prefill_tokens  # prompt tokens this step, all requests together
@@ -311,9 +317,15 @@ class Scheduler:
             return False
         admitted = {id(r) for r in adder.can_run}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        self._ensure_free(sum(r.extend_len for r in adder.can_run))
-        self._run_step(adder.can_run, prefill=True)
+        num_new = sum(r.extend_len for r in adder.can_run)
+        decoding = self.running if self._can_mix(num_new) else []
+        for req in decoding:
+            req.extend_len = 1
+        self._ensure_free(num_new + len(decoding))
+        self._run_step(adder.can_run + decoding, prefill=True)
         self.num_forward_steps += 1
+        if decoding:
+            self._decoded()
         self.chunked_req = None
         for req in adder.can_run:
             if req.is_finished:
@@ -325,10 +337,22 @@ class Scheduler:
                 self.running.append(req)
         return True
 
+    def _can_mix(self, num_new: int) -> bool:
+        """Whether the running batch can decode in this prefill's forward: allowed, and its
+        next tokens fit beside the prompts' (else the decode step that follows makes room)."""
+        if self.args.disable_mixed_prefill or not self.running:
+            return False
+        room = self.allocator.available_size() + self.tree.evictable_size()
+        return room >= num_new + len(self.running)
+
     def _step_decode(self) -> None:
         self._make_room_for_decode()
         self._run_step(self.running, prefill=False)
         self.num_forward_steps += 1
+        self._decoded()
+
+    def _decoded(self) -> None:
+        """After a step in which the running batch decoded: drop its finished requests."""
         self.running = [r for r in self.running if not r.is_finished]
         self.new_token_ratio = max(
             NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY

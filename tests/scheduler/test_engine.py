@@ -160,8 +160,35 @@ def test_max_prefill_tokens_bounds_every_step_when_chunking(make_engine: Any) ->
     prompts = [long_ids(engine, 30, "First"), long_ids(engine, 10, "Second")]
     outs = engine.generate(input_ids=prompts, sampling_params=greedy(2))
     assert all(o["meta_info"]["completion_tokens"] == 2 for o in outs)
-    # the first prompt in chunks of 12, the second one after it, never more than 12 a step
-    assert sizes == [12, 12, 6 + 6, 4]
+    # the first prompt in chunks of 12, the second one after it, never more than 12 prompt
+    # tokens a step; the first request decodes in the second's last step
+    assert sizes == [12, 12, 6 + 6, 4 + 1]
+
+
+def test_mixed_prefill_decodes_the_running_batch_in_the_same_forward(make_engine: Any) -> None:
+    """While a long prompt is prefilled in chunks, the running request decodes in the same
+    forwards, with the same tokens and logprobs as in separate steps."""
+    outs, steps = {}, {}
+    for disable in (False, True):
+        engine = make_engine(
+            None, max_total_tokens=1024, chunked_prefill_size=16, disable_mixed_prefill=disable
+        )
+        sizes = _count_extends(engine)
+        prompts = [long_ids(engine, 10, "First"), long_ids(engine, 64, "Second")]
+        outs[disable] = engine.generate(
+            input_ids=prompts, sampling_params=[greedy(10), greedy(2)], return_logprob=True
+        )
+        steps[disable] = (sizes, engine.scheduler.num_forward_steps)
+    # the first prompt with the second's first chunk, then three chunks each with a decode
+    assert steps[False][0] == [10 + 6, 16 + 1, 16 + 1, 16 + 1, 10 + 1]
+    assert steps[True][0] == [10 + 6, 16, 16, 16, 10]
+    # 5 prefills, then the first request's 5 (mixed) or 9 (alone) tokens still to decode
+    assert (steps[False][1], steps[True][1]) == (10, 14)
+    for mixed, alone in zip(outs[False], outs[True], strict=True):
+        assert mixed["output_ids"] == alone["output_ids"]
+        got = mixed["meta_info"]["output_token_logprobs"]
+        want = alone["meta_info"]["output_token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
 
 
 # ---- batching and policy -------------------------------------------------------------------

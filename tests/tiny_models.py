@@ -91,3 +91,67 @@ def add_special_tokens(dir: str | Path, tokens: list[str]) -> dict[str, int]:
     tok.save_pretrained(str(dir))
     added = AutoTokenizer.from_pretrained(str(dir)).get_added_vocab()
     return {t: added[t] for t in tokens}
+
+
+def make_tiny_llava(
+    dir: str | Path,
+    tokenizer_dir: str | None = None,
+    vision_overrides: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> str:
+    """A LlavaForConditionalGeneration saved into `dir`, with a LlavaProcessor: a 2-layer CLIP
+    tower on 32x32 images in 8x8 patches (16 image tokens under the default strategy), a
+    2-layer Llama. The tokenizer gains `<image>` (the config's image token); the tower's and
+    projector's biases and norms are perturbed so that none of them is a no-op."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(tokenizer_dir or prepare_hf_dir(default_model_path()), out)
+    image_token_id = add_special_tokens(out, ["<image>"])["<image>"]
+    vision = CLIPVisionConfig(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 32,
+            "patch_size": 8,
+            **(vision_overrides or {}),
+        }
+    )
+    text = LlamaConfig(**{**_TINY_SHAPE, "vocab_size": 49152 + 64, "rope_theta": 10000.0})
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_token_id, **overrides
+    )
+    torch.manual_seed(SEED)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" not in name and ("bias" in name or "norm" in name):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id
+    ).save_pretrained(str(out))
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": vision.image_size},
+            crop_size={"height": vision.image_size, "width": vision.image_size},
+        ),
+        tokenizer=AutoTokenizer.from_pretrained(str(out)),
+        patch_size=vision.patch_size,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        num_additional_image_tokens=1,  # CLIP's class token
+    )
+    processor.save_pretrained(str(out))
+    return str(out)

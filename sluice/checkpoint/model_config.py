@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "LlavaForConditionalGeneration",
+)
 
 # Architectures whose q/k/v projections carry a bias unless config.json says otherwise.
 _BIASED_BY_DEFAULT = {"Qwen2ForCausalLM"}
@@ -42,6 +47,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # union of config, generation config and tokenizer eos
     bos_token_id: int | None
     model_name: str  # short name for the API, e.g. "SmolLM2-135M-Instruct"
+    # vision-language checkpoints: config.json but its `text_config` (vision_config, projector,
+    # image token); the fields above are the language model's. None: text only
+    multimodal: dict[str, Any] | None = None
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str, source_path: str | None = None) -> ModelConfig:
@@ -53,6 +61,10 @@ class ModelConfig:
             )
         gen = _read_json(root / "generation_config.json") or {}
         arch = _architecture(cfg)
+        multimodal = None
+        if "text_config" in cfg:  # vision-language: the language model's config is nested
+            multimodal = {k: v for k, v in cfg.items() if k != "text_config"}
+            cfg = {**cfg, **cfg["text_config"], "architectures": cfg["architectures"]}
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         rope_theta, rope_scaling = _rope(cfg)
@@ -79,6 +91,7 @@ class ModelConfig:
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=None if bos is None else int(bos),
             model_name=model_name_of(source),
+            multimodal=multimodal,
         )
 
 

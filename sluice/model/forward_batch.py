@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.model.multimodal import ImageSpan, MultimodalInputs
+
 
 class ForwardMode(enum.Enum):
     EXTEND = 1  # prefill (possibly one chunk, possibly on top of a cached prefix)
@@ -42,6 +44,7 @@ class ForwardBatch:
     # EXTEND: the share of the padded [B, max_q, max_kv] attention that the mask lets through;
     # PyTorch's SDPA computes all of it, sluice's kernel only that share (DECODE: not used, 1)
     mask_density: float = 1.0
+    mm_inputs: MultimodalInputs | None = None  # images with positions in this forward; None: none
 
     @classmethod
     def build(
@@ -55,9 +58,11 @@ class ForwardBatch:
         req_pool_indices: list[int],
         logits_index: list[int],
         device: torch.device,
+        images: list[list[ImageSpan]] | None = None,
     ) -> ForwardBatch:
         """prefix_lens[b]: tokens of request b already in the KV pool; extend_lens[b]: new tokens
-        (1 for DECODE). The new tokens' slots must already be written into `req_to_token`."""
+        (1 for DECODE). The new tokens' slots must already be written into `req_to_token`.
+        images[b]: request b's images (sluice.model.multimodal), None for text only."""
         bs = len(extend_lens)
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         max_kv, max_q = max(seq_lens), max(extend_lens)
@@ -96,6 +101,9 @@ class ForwardBatch:
                 q_seq_lens = positions + 1
             if bs == 1 and prefix_lens[0] == 0:
                 attn_mask = None  # a single fresh prompt: plain causal attention
+        mm_inputs = None
+        if images is not None:
+            mm_inputs = MultimodalInputs.build(images, prefix_lens, extend_lens, device)
         return cls(
             mode=mode,
             batch_size=bs,
@@ -112,6 +120,7 @@ class ForwardBatch:
             q_rows=q_rows,
             q_seq_lens=q_seq_lens,
             mask_density=mask_density,
+            mm_inputs=mm_inputs,
         )
 
     @property

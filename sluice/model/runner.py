@@ -19,14 +19,16 @@ from sluice.model.kv_cache import KVCache
 from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from sluice.model.models.llava import LlavaForConditionalGeneration
 from sluice.utils.system import cpu_flags, native_bf16_flag
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +85,7 @@ class ModelRunner:
         return ForwardOutput(out.logits.float(), out.hidden.float())
 
 
-def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     if cfg.architecture not in ARCHITECTURES:
         raise ValueError(
             f"architecture {cfg.architecture} is not supported; supported: {', '.join(ARCHITECTURES)}"
@@ -93,9 +95,10 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Ll
         model = ARCHITECTURES[cfg.architecture](cfg)
     # materialize without running random initialisation, then fill from the checkpoint
     model = model.to_empty(device=device).to(dtype)
+    text_model = getattr(model, "language_model", model)  # a vision-language model's, or itself
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    _init_buffers(model, cfg, device)
+        text_model.lm_head.weight = text_model.model.embed_tokens.weight
+    _init_buffers(text_model, cfg, device)
     model.load_weights(iter_hf_weights(cfg.hf_dir))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())

@@ -98,8 +98,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        x, residual = self.embed_tokens(fb.input_ids), None  # [T, hidden]
+    def forward(
+        self, fb: ForwardBatch, kv: KVCache, input_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`input_embeds` [T, hidden]: the inputs in place of `embed_tokens(fb.input_ids)` (a
+        vision-language model's, with its image features in the placeholder rows)."""
+        x = self.embed_tokens(fb.input_ids) if input_embeds is None else input_embeds
+        residual = None  # x: [T, hidden]
         for layer in self.layers:
             x, residual = layer(x, residual, fb, kv)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
@@ -118,10 +123,12 @@ class LlamaForCausalLM(nn.Module):
         """Returns logits [N, vocab] for the rows in `fb.logits_index` only."""
         return self.forward_output(fb, kv).logits
 
-    def forward_output(self, fb: ForwardBatch, kv: KVCache) -> ForwardOutput:
+    def forward_output(
+        self, fb: ForwardBatch, kv: KVCache, input_embeds: torch.Tensor | None = None
+    ) -> ForwardOutput:
         """Logits and final-norm hidden states (last-token pooling) of the `fb.logits_index`
         rows, from one forward; the hidden rows cost nothing extra."""
-        hidden = self.model(fb, kv)[fb.logits_index]  # [N, hidden]
+        hidden = self.model(fb, kv, input_embeds)[fb.logits_index]  # [N, hidden]
         return ForwardOutput(self.lm_head(hidden), hidden)
 
     @torch.no_grad()

@@ -51,6 +51,13 @@ class ServerArgs:
         "or AVX512-BF16; float32 on other CPUs; README.md says what each costs)",
         choices=["auto", "float32", "bfloat16", "float16"],
     )  # fmt: skip
+    quantization: str = _opt(
+        "auto",
+        "weights of a GGUF file: gguf keeps their Q8_0/Q4_0/Q4_1 blocks, computed by sluice's "
+        "CPU kernels; none dequantizes them to --dtype; auto: gguf for a GGUF on the CPU when "
+        "the kernels build, else none",
+        choices=["auto", "gguf", "none"],
+    )  # fmt: skip
     device: str = _opt(
         "auto",
         "where the model runs: auto (cuda when available), cpu, cuda or cuda:N",

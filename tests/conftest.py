@@ -60,12 +60,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """The one-time work that servers and engines would otherwise do inside a test's timeout,
     done first and in view: the default GGUF's conversion and the CPU kernels' build (each a
     no-op once cached)."""
-    from sluice.model.kernels import cpu_ops
+    from sluice.model.kernels import cpu_ops, quant_ops
 
     say = session.config.get_terminal_writer().line
     steps = [
         ("converting the default GGUF into the cache (once per model file)", _convert_default),
         ("building sluice's CPU kernels (once per machine and source)", cpu_ops),
+        ("building sluice's quantized-weight kernels (once per machine and source)", quant_ops),
     ]
     for what, run in steps:
         start = time.perf_counter()

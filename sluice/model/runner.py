@@ -64,10 +64,16 @@ def auto_dtype(device: torch.device, flags: frozenset[str]) -> tuple[torch.dtype
 
 class ModelRunner:
     def __init__(
-        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_size: int
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_size: int,
+        quantization: str = "none",
     ) -> None:
+        """`quantization`: "gguf" keeps a GGUF's block weights (sluice.model.quant), "none" not."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.model = load_model(cfg, device, dtype)
+        self.model = load_model(cfg, device, dtype, quantization)
         self.kv = KVCache(
             kv_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
@@ -85,7 +91,9 @@ class ModelRunner:
         return ForwardOutput(out.logits.float(), out.hidden.float())
 
 
-def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_model(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+) -> nn.Module:
     if cfg.architecture not in ARCHITECTURES:
         raise ValueError(
             f"architecture {cfg.architecture} is not supported; supported: {', '.join(ARCHITECTURES)}"
@@ -99,7 +107,18 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn
     if cfg.tie_word_embeddings:
         text_model.lm_head.weight = text_model.model.embed_tokens.weight
     _init_buffers(text_model, cfg, device)
-    model.load_weights(iter_hf_weights(cfg.hf_dir))
+    weights = iter_hf_weights(cfg.hf_dir)
+    if quantization == "gguf":  # the linears that stay in blocks skip their float tensors
+        from sluice.model.gguf_weights import install_quantized
+        from sluice.model.kernels import quant_ops
+
+        skip = install_quantized(model, cfg, quant_ops()).checkpoint_names
+        weights = ((name, t) for name, t in weights if name not in skip)
+    model.load_weights(weights)
+    if quantization == "gguf":  # batches of many rows: a float copy beats the kernel
+        from sluice.model.quant import keep_dense_copies
+
+        keep_dense_copies(model, dtype)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     if can_pack_linears(device, dtype):

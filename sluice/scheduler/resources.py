@@ -10,6 +10,7 @@ import torch
 from sluice.checkpoint.model_config import ModelConfig
 from sluice.config import ServerArgs
 from sluice.model.kv_cache import KVCache
+from sluice.model.quant import resolve_quantization
 from sluice.model.runner import resolve_device, resolve_dtype
 from sluice.utils.system import available_cpus, available_memory_bytes
 
@@ -27,6 +28,7 @@ class Resources:
     context_len: int
     max_total_tokens: int
     max_running_requests: int
+    quantization: str = "none"  # "gguf": a GGUF's block weights kept (sluice.model.quant)
 
 
 def resolve_resources(args: ServerArgs, cfg: ModelConfig) -> Resources:
@@ -44,7 +46,8 @@ def resolve_resources(args: ServerArgs, cfg: ModelConfig) -> Resources:
     )
     max_total = args.max_total_tokens or _auto_pool_tokens(args, device, per_token, context_len)
     max_running = args.max_running_requests or min(256, max(max_total // 64, 8))
-    res = Resources(device, dtype, num_threads, context_len, max_total, max_running)
+    quantization = resolve_quantization(args.quantization, cfg.source_path, device, dtype)
+    res = Resources(device, dtype, num_threads, context_len, max_total, max_running, quantization)
     logger.info(
         "KV pool: %d tokens (%.2f GiB, %d KiB per token); context %d tokens; up to %d requests "
         "running, %.1f full contexts at once; %s on %s with %d threads",

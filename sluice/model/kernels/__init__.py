@@ -45,6 +45,7 @@ from sluice.utils import envs
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")  # self-contained: no local includes
+QUANT_SOURCE = Path(__file__).with_name("quant_ops.cpp")  # GGUF block weights (sluice.model.quant)
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process building the same kernel
 BUILD_INFO = (
     "sluice-build.json"  # written last into a build folder: the module name, the key's parts
@@ -66,6 +67,20 @@ def cpu_ops() -> Any | None:
         return _build("sluice_cpu_ops", SOURCE)
     except Exception as e:  # any build failure: fall back, loudly once
         logger.warning("sluice's C++ CPU kernels are unavailable (%s); using PyTorch ops", e)
+        return None
+
+
+@functools.cache
+def quant_ops() -> Any | None:
+    """The compiled module of the quantized-weight kernels (`quant_ops.cpp`: `quant_linear(x, w,
+    type, bias=None)`, `dequantize(w, type, K, dtype)`, the ggml type ids in `types`), built and
+    cached as `cpu_ops()`; None when it cannot be had."""
+    if not envs.get_bool("SLUICE_CPU_KERNELS"):
+        return None
+    try:
+        return _build("sluice_quant_ops", QUANT_SOURCE)
+    except Exception as e:  # any build failure: fall back, loudly once
+        logger.warning("sluice's quantized-weight kernels are unavailable (%s)", e)
         return None
 
 

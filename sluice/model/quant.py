@@ -1,0 +1,171 @@
+"""QuantLinear: a linear layer whose weight stays in a GGUF block quantization (Q8_0, Q4_0, Q4_1),
+computed by sluice's weight-only CPU kernels (`sluice.model.kernels.quant_ops()`).
+
+The weight is `qweight` [out_features, in_features / 32 * block_bytes] uint8: every output row's
+32-value blocks exactly as the GGUF file stores them (see quant_ops.cpp), so loading is a copy of
+bytes, with whole rows permuted or concatenated at most (sluice.model.gguf_weights).
+
+`--quantization` (ServerArgs.quantization) chooses between these layers and float weights:
+`resolve_quantization` turns "auto" into "gguf" or "none" once, and logs why.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("auto", "gguf", "none")
+
+# ggml type id -> (name, bytes of one 32-value block)
+BLOCK_TYPES = {8: ("Q8_0", 34), 2: ("Q4_0", 18), 3: ("Q4_1", 20)}
+BLOCK_VALUES = 32
+
+
+class QuantLinear(nn.Module):
+    """y = x w^T + b with w in GGUF blocks; x [T, in_features] float32 or bfloat16 on the CPU,
+    y [T, out_features] in x's dtype.
+
+    The kernel reads each block once per 8 rows of x: up to 8 rows (decoding a few requests)
+    it is as fast as oneDNN on a float weight or faster, being bound by the weight's bytes;
+    past that it is bound by its float32 FMAs and oneDNN's GEMM wins (1.5-2.8x at 64 rows,
+    measured on an Intel Xeon model 207). So `keep_dense` can add a float copy of the weight,
+    prepacked (a PackedLinear), for batches of `dense_min_rows` rows or more; dequantizing
+    into a scratch weight at each call instead cost more than the GEMM it feeds."""
+
+    KERNEL_MAX_ROWS = 8  # rows the kernel computes in one pass over the blocks
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        qtype: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+        ops: Any,
+    ) -> None:
+        super().__init__()
+        if qtype not in BLOCK_TYPES:
+            raise ValueError(f"ggml type {qtype} is not one of {sorted(BLOCK_TYPES)}")
+        row_bytes = in_features // BLOCK_VALUES * BLOCK_TYPES[qtype][1]
+        if in_features % BLOCK_VALUES or qweight.dim() != 2 or qweight.shape[1] != row_bytes:
+            raise ValueError(
+                f"{BLOCK_TYPES[qtype][0]} weight of shape {tuple(qweight.shape)} does not hold "
+                f"{in_features} values a row"
+            )
+        self.in_features, self.out_features = in_features, qweight.shape[0]
+        self.qtype = qtype
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.ops = ops
+        self.dense: nn.Module | None = None  # a float copy for many rows, or None
+        self.dense_min_rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features]
+        if self.dense is not None and x.shape[0] >= self.dense_min_rows:
+            return self.dense(x)
+        return self.ops.quant_linear(x.contiguous(), self.qweight, self.qtype, self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [out_features, in_features] the blocks stand for."""
+        return self.ops.dequantize(self.qweight, self.qtype, self.in_features, dtype)
+
+    def keep_dense(self, dtype: torch.dtype, min_rows: int = KERNEL_MAX_ROWS + 1) -> None:
+        """Compute batches of `min_rows` rows or more with a float copy of the weight: a
+        PackedLinear where oneDNN takes `dtype`, else a plain linear layer."""
+        from sluice.model.layers import PackedLinear, can_pack_linears
+
+        weight = self.dequantized(dtype)
+        bias = None if self.bias is None else self.bias.detach()  # shared: loaded in place
+        if can_pack_linears(weight.device, dtype):
+            self.dense = PackedLinear(weight, bias)
+        else:
+            self.dense = _PlainLinear(weight, bias)
+        self.dense_min_rows = min_rows
+
+    def extra_repr(self) -> str:
+        name = BLOCK_TYPES[self.qtype][0]
+        return f"in_features={self.in_features}, out_features={self.out_features}, {name}"
+
+
+class _PlainLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every QuantLinear of `model` its float copy for many rows (`keep_dense`), and build
+    oneDNN's kernels for those row counts once per weight shape, as `pack_linears` does; returns
+    the bytes the copies take."""
+    from sluice.model.layers import PackedLinear
+
+    total, warmed = 0, set()
+    for module in [m for m in model.modules() if isinstance(m, QuantLinear)]:
+        module.keep_dense(dtype)
+        total += module.out_features * module.in_features * torch.finfo(dtype).bits // 8
+        shape = (module.in_features, module.out_features, module.bias is not None)
+        if isinstance(module.dense, PackedLinear) and shape not in warmed:
+            warmed.add(shape)
+            with torch.inference_mode():
+                for rows in range(module.dense_min_rows, PackedLinear.PACKED_MAX_ROWS + 1):
+                    module.dense(torch.zeros(rows, module.in_features, dtype=dtype))
+    logger.info(
+        "block weights: the kernel up to %d rows, a %s copy (%.0f MB) for more",
+        QuantLinear.KERNEL_MAX_ROWS, str(dtype).removeprefix("torch."), total / 1e6,
+    )  # fmt: skip
+    return total
+
+
+def resolve_quantization(
+    value: str, source_path: str, device: torch.device, dtype: torch.dtype
+) -> str:
+    """Either "gguf" (keep a GGUF file's block weights, QuantLinear) or "none" (float weights in
+    `dtype`) for `--quantization value`; "auto" is "gguf" for a GGUF file on the CPU, in float32
+    or bfloat16, when the kernels build and the file holds a type they take; the choice and its
+    reason are logged. "gguf" that cannot be had raises."""
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {value!r}; choose from {', '.join(QUANTIZATIONS)}")
+    if value == "none":
+        return "none"
+    reason = _why_not_gguf(source_path, device, dtype)
+    if reason is None:
+        logger.info("--quantization %s: gguf (block weights kept, computed by quant_ops)", value)
+        return "gguf"
+    if value == "gguf":
+        raise ValueError(f"--quantization gguf is not available: {reason}")
+    logger.info("--quantization auto: none (%s)", reason)
+    return "none"
+
+
+def _why_not_gguf(source_path: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    if not source_path.lower().endswith(".gguf"):
+        return "the model is not a GGUF file"
+    if device.type != "cpu":
+        return f"the block kernels run on the CPU, not {device}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the block kernels take float32 or bfloat16, not {dtype}"
+    types = linear_types(source_path)
+    if not types & set(BLOCK_TYPES):
+        return f"the file's linear weights are {sorted(types)}, none of Q8_0, Q4_0, Q4_1"
+    from sluice.model.kernels import quant_ops
+
+    if quant_ops() is None:
+        return "the quantized-weight kernels could not be built"
+    return None
+
+
+def linear_types(gguf_path: str) -> set[int]:
+    """The ggml type ids of a GGUF's 2-D weights."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    return {int(t.tensor_type) for t in reader.tensors if len(t.shape) == 2}

@@ -1,0 +1,296 @@
+"""GGUF block weights kept quantized: the kernels, the loading, and the model through them.
+
+- `quant_linear` and `dequantize` (quant_ops.cpp) against gguf's own dequantization followed by a
+  float64 matmul, for Q8_0, Q4_0 and Q4_1, float32 and bfloat16, several shapes; once as built
+  for this CPU and once built without AVX-512 (the AVX2 path of CPUs such as AMD Zen 3).
+- A tiny llama written as a GGUF by gguf's GGUFWriter (quantized by gguf.quants, q/k rows in
+  llama.cpp's order, one fused group of mixed types that must stay float): the model with its
+  blocks kept gives the logits of the same model with the dequantized weights.
+- The default SmolLM2 Q4_1 GGUF: its blocks, q/k reordered and fused, equal the float
+  conversion; and through the Engine, greedy tokens and logprobs of `--quantization gguf`
+  against `none`, both float32.
+
+Tolerances: the kernel dequantizes exactly the values gguf does (up to one rounding of
+d * q + m, which it may fuse) and sums K products in float32, so against a float64 reference its
+error is within (K + 2) * 2^-24 * sum_k |x_k w_k| (the classic bound for a sum of K rounded
+terms, plus the dequantization's rounding); bfloat16 output adds its own rounding, 2^-8 |y|.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from sluice.checkpoint.model_config import ModelConfig  # noqa: E402
+from sluice.model.kernels import QUANT_SOURCE, _build, quant_ops  # noqa: E402
+from sluice.model.quant import QuantLinear, resolve_quantization  # noqa: E402
+from sluice.utils.system import cpu_flags  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
+SHAPES = [(1, 32, 1), (1, 576, 193), (3, 64, 7), (8, 96, 33), (13, 160, 20), (40, 128, 65)]
+
+
+@pytest.fixture(scope="module")
+def native_ops():
+    ops = quant_ops()
+    if ops is None:
+        pytest.skip("the quantized-weight kernels did not build here")
+    return ops
+
+
+@pytest.fixture(scope="module")
+def avx2_ops(native_ops):
+    """The kernels built as for a CPU without AVX-512 (the lanes split over two AVX2 registers)."""
+    if "avx2" not in cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    if native_ops.isa != "avx512":
+        return native_ops  # already the AVX2 (or generic) build
+    ops = _build("sluice_quant_ops_avx2", QUANT_SOURCE, ("-mno-avx512f",))
+    assert ops.isa == "avx2"
+    return ops
+
+
+@pytest.fixture(params=["native", "avx2"])
+def ops(request):
+    return request.getfixturevalue(f"{request.param}_ops")
+
+
+def _blocks(n: int, k: int, qtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random [n, k] weights as blocks of `qtype`, and the float64 values gguf reads from them."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, qtype)
+    return torch.from_numpy(raw), torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_matches_dequantize_then_matmul(ops, qtype, m, k, n, dtype) -> None:
+    raw, w = _blocks(n, k, qtype)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n)
+    y = ops.quant_linear(x, raw, int(qtype), bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    ref = x.double() @ w.T + bias.double()
+    bound = (k + 2) * 2.0**-24 * (x.double().abs() @ w.abs().T) + 2.0**-24 * bias.abs().double()
+    if dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert (err <= bound + 1e-30).all(), f"max error {err.max():.3g}, bound {bound.min():.3g}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_gives_ggufs_values(ops, qtype) -> None:
+    raw, w = _blocks(37, 96, qtype, seed=1)
+    out = ops.dequantize(raw, int(qtype), 96, torch.float32)
+    torch.testing.assert_close(out.double(), w, rtol=2**-23, atol=0)  # one rounding at most
+    out16 = ops.dequantize(raw, int(qtype), 96, torch.bfloat16)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16.double(), w, rtol=2**-8, atol=0)
+
+
+def test_quant_linear_refuses_what_it_cannot_take(native_ops) -> None:
+    raw, _ = _blocks(4, 64, T.Q4_1)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native_ops.quant_linear(torch.randn(1, 48), raw[:, :30].contiguous(), int(T.Q4_1))
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        native_ops.quant_linear(torch.randn(1, 64), raw, int(T.Q8_0))
+    with pytest.raises(RuntimeError, match="type must be"):
+        native_ops.quant_linear(torch.randn(1, 64), raw, 12)
+
+
+def test_quant_linear_module_dense_copy_for_many_rows(native_ops) -> None:
+    raw, w = _blocks(33, 64, T.Q4_0)
+    layer = QuantLinear(raw, int(T.Q4_0), 64, None, native_ops)
+    x = torch.randn(20, 64)
+    kernel = layer(x)
+    layer.keep_dense(torch.float32, min_rows=16)
+    torch.testing.assert_close(layer(x), kernel, rtol=1e-5, atol=1e-5)  # the dense copy
+    torch.testing.assert_close(layer(x[:2]), kernel[:2], rtol=0, atol=0)  # still the kernel
+    with pytest.raises(ValueError, match="does not hold"):
+        QuantLinear(raw, int(T.Q4_0), 96, None, native_ops)
+
+
+# ----------------------------------------------------------------------------- a tiny GGUF
+
+# HF name part -> GGUF name part, and the type each is written in (attn_v differs from q/k in
+# layer 1, so that layer's qkv_proj must stay float)
+_PARTS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def _type_of(layer: int, part: str):
+    if layer == 1 and part == "attn_v":
+        return T.Q8_0
+    return {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0, "ffn_down": T.Q8_0}.get(
+        part, T.Q4_1
+    )
+
+
+def _to_llama_cpp_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF q/k rows into llama.cpp's order (the inverse of the loader's unpermutation)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, half, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(hf_dir: str, out: Path) -> tuple[str, str]:
+    """(a GGUF of the tiny model's linear weights in block types, an HF dir whose float weights
+    are exactly what those blocks hold)."""
+    from safetensors.numpy import load_file, save_file
+
+    from sluice.checkpoint.gguf_convert import _unpermute_rope_rows
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    tensors = load_file(str(Path(hf_dir) / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out / "tiny.gguf"), "llama")
+    floats = dict(tensors)
+    for name, w in tensors.items():
+        if name == "lm_head.weight":
+            gguf_name, part, heads = "output.weight", "output", 0
+        elif name.startswith("model.layers.") and name.endswith(".weight"):
+            layer, hf_part = name.split(".")[2], ".".join(name.split(".")[3:5])
+            if hf_part not in _PARTS:
+                continue
+            part = _PARTS[hf_part]
+            gguf_name = f"blk.{layer}.{part}.weight"
+            heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(part, 0)  # fmt: skip
+        else:
+            continue
+        qtype = T.Q8_0 if part == "output" else _type_of(int(name.split(".")[2]), part)
+        stored = _to_llama_cpp_rows(w, heads) if heads else w
+        raw = quantize(stored.astype(np.float32), qtype)
+        writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        back = dequantize(raw, qtype).reshape(w.shape).astype(np.float32)
+        floats[name] = np.ascontiguousarray(_unpermute_rope_rows(back, heads) if heads else back)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    float_dir = out / "float"
+    shutil.copytree(hf_dir, float_dir)
+    save_file(floats, str(float_dir / "model.safetensors"), metadata={"format": "pt"})
+    return str(out / "tiny.gguf"), str(float_dir)
+
+
+def _prefill_logits(runner, ids: list[int]) -> torch.Tensor:
+    from sluice.model.forward_batch import ForwardBatch, ForwardMode
+
+    n = len(ids)
+    req_to_token = torch.arange(n, dtype=torch.int32).unsqueeze(0)
+    fb = ForwardBatch.build(
+        ForwardMode.EXTEND, ids, [0], [n], torch.arange(n), req_to_token, [0], list(range(n)),
+        torch.device("cpu"),
+    )  # fmt: skip
+    return runner.forward(fb)
+
+
+def test_a_tiny_gguf_with_its_blocks_kept_gives_the_dequantized_models_logits(
+    tiny_llama_dir: str, tmp_path: Path, native_ops
+) -> None:
+    from sluice.model.runner import ModelRunner
+
+    gguf_path, float_dir = _write_tiny_gguf(tiny_llama_dir, tmp_path)
+    cfg = ModelConfig.from_hf_dir(float_dir, source_path=gguf_path)
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", gguf_path, cpu, torch.float32) == "gguf"
+    quantized = ModelRunner(cfg, cpu, torch.float32, kv_size=64, quantization="gguf")
+    plain = ModelRunner(cfg, cpu, torch.float32, kv_size=64, quantization="none")
+    layers = quantized.model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
+    assert not isinstance(layers[1].self_attn.qkv_proj, QuantLinear)  # Q4_0/Q4_0/Q8_0: float
+    assert isinstance(layers[1].mlp.down_proj, QuantLinear)
+    assert isinstance(quantized.model.lm_head, QuantLinear)
+    ids = list(range(1000, 1020))
+    a, b = _prefill_logits(quantized, ids), _prefill_logits(plain, ids)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_quantization_auto_means_none_off_gguf_and_gguf_refuses_it(tiny_llama_dir: str) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", tiny_llama_dir, cpu, torch.float32) == "none"
+    assert resolve_quantization("none", tiny_llama_dir, cpu, torch.float32) == "none"
+    with pytest.raises(ValueError, match="not a GGUF"):
+        resolve_quantization("gguf", tiny_llama_dir, cpu, torch.float32)
+
+
+# ----------------------------------------------------------------------------- SmolLM2 Q4_1
+
+
+def test_smollm2_blocks_equal_the_float_conversion(
+    smollm2_gguf: str, smollm2_hf_dir: str, native_ops
+) -> None:
+    from safetensors import safe_open
+
+    from sluice.model.gguf_weights import install_quantized
+    from sluice.model.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig.from_hf_dir(smollm2_hf_dir, source_path=smollm2_gguf)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    done = install_quantized(model, cfg, native_ops)
+    assert len(done.modules) == 4 * cfg.num_hidden_layers + 1  # qkv, o, gate_up, down; lm_head
+    head = model.lm_head
+    assert isinstance(head, QuantLinear) and head.qtype == int(T.Q8_0)  # the tied token_embd
+    with safe_open(str(Path(smollm2_hf_dir) / "model.safetensors"), framework="pt") as f:
+        attn = model.model.layers[3].self_attn.qkv_proj
+        parts = [f.get_tensor(f"model.layers.3.self_attn.{p}_proj.weight") for p in "qkv"]
+        torch.testing.assert_close(attn.dequantized(torch.float32), torch.cat(parts), rtol=2**-23, atol=0)  # fmt: skip
+        embed = f.get_tensor("model.embed_tokens.weight")
+        torch.testing.assert_close(head.dequantized(torch.float32), embed, rtol=2**-23, atol=0)
+
+
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time,", "Water boils at",
+    "The three primary colors are", "In 1492,", "To make a cup of tea,", "import numpy as np\n",
+    "The largest planet in the solar system", "Photosynthesis is", "My favourite book is",
+    "SELECT * FROM", "The opposite of hot is", "Machine learning models", "Dear Sir or Madam,",
+    "The speed of light is",
+]  # fmt: skip
+TEXT = (
+    "The river ran quietly beneath the old stone bridge, carrying leaves from the mountain "
+    "forests down to the harbor, where fishermen mended their nets in the evening light."
+)
+
+
+def test_engine_greedy_tokens_and_logprobs_with_blocks_kept(smollm2_gguf: str, capsys) -> None:
+    from sluice import Engine
+
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    outputs, logprobs = {}, {}
+    for quant in ("gguf", "none"):
+        engine = Engine(
+            smollm2_gguf, dtype="float32", quantization=quant, embedding_model_path="none",
+            max_total_tokens=8192, num_threads=2,
+        )  # fmt: skip
+        assert engine.resources.quantization == quant
+        for module in engine.scheduler.runner.model.modules():
+            if isinstance(module, QuantLinear):
+                module.dense = None  # the kernel for every row count, the prefill's too
+        # one request at a time: the single-stream decode the kernel is for
+        outputs[quant] = [engine.generate(p, params)["output_ids"] for p in PROMPTS]
+        scored = engine.generate(
+            TEXT, {**params, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=0
+        )
+        values = scored["meta_info"]["input_token_logprobs"]
+        logprobs[quant] = torch.tensor([lp for lp in values if lp is not None])
+        engine.shutdown()
+    agree = sum(a == b for a, b in zip(outputs["gguf"], outputs["none"], strict=True))
+    diff = (logprobs["gguf"] - logprobs["none"]).abs().mean().item()
+    with capsys.disabled():
+        print(f"\ngguf vs none (float32): greedy agreement {agree}/{len(PROMPTS)} prompts; mean "
+              f"|logprob difference| {diff:.2e} over {len(logprobs['gguf'])} tokens")  # fmt: skip
+    # the same weights, summed in another order: a near-tie may flip a token, rarely
+    assert agree >= len(PROMPTS) - 2
+    assert diff < 1e-3

@@ -109,6 +109,20 @@ class ModelInfo(msgspec.Struct, omit_defaults=True):
     dtype: str = ""
 
 
+class ImageItem(msgspec.Struct):
+    """One processed image of a prompt: its pixels, and the positions [offset, offset + length)
+    of the prompt it fills (whose ids, made from `hash`, lie outside the vocabulary; see
+    sluice/tokenizer/images.py). `pixel_values` are the processor's output as little-endian
+    bytes in C order, of `shape` ([C, H, W]) and `dtype` (a numpy name)."""
+
+    hash: str  # sha256 of the image's bytes, hex
+    offset: int
+    length: int
+    pixel_values: bytes
+    shape: list[int]
+    dtype: str = "float32"
+
+
 class Message(msgspec.Struct, tag=True):
     """A struct sent on its own: it travels tagged with its class name (field "type")."""
 
@@ -136,6 +150,7 @@ class TokenizedGenerateReqInput(Message, omit_defaults=True):
     # token other than that one means there is none, and the grammar applies from it on
     grammar_after_id: int = -1
     reasoning_start_id: int = -1
+    images: list[ImageItem] = []  # in order of offset; empty: a text-only prompt
 
 
 class BatchTokenizedGenerateReqInput(Message):

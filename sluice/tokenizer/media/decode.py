@@ -31,6 +31,10 @@ class DecodedImage:
     pixels: np.ndarray  # [height, width, 3] uint8, RGB
 
     @property
+    def nbytes(self) -> int:
+        return self.pixels.nbytes
+
+    @property
     def width(self) -> int:
         return self.pixels.shape[1]
 

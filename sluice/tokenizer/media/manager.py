@@ -1,10 +1,12 @@
-"""MediaManager: image references of one request → decoded images, each with its content hash.
+"""MediaManager: image references of one request → decoded images (`load_images`), or images
+processed for the model (`process_images`, with `processor_dir`), each with its content hash.
 
 Owns three resources of the HTTP process, none created before the first image (text-only
-traffic never touches them): the fetcher's HTTP session, the decode pool (a process pool, so
-image work never holds the GIL the event loop needs), and a byte-bounded LRU cache of decoded
-images keyed by the sha256 of their bytes. That hash is the image's identity downstream (the
-radix cache's placeholder ids come from it).
+traffic never touches them): the fetcher's HTTP session, the worker pool (a process pool, so
+image work never holds the GIL the event loop needs; a worker decodes and, for
+`process_images`, runs the checkpoint's image processor in the same call), and byte-bounded LRU
+caches of results keyed by the sha256 of the image's bytes. That hash is the image's identity
+downstream (the radix cache's placeholder ids come from it).
 
 Cancellation: cancelling `load_images` cancels every fetch (their connections close); a decode
 already running in a worker finishes there and its result is dropped, bounded in time by the
@@ -22,11 +24,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from sluice.tokenizer.media.decode import DecodedImage, decode_image
 from sluice.tokenizer.media.fetch import MediaFetcher, Resolve, system_resolve
 from sluice.tokenizer.media.policy import MediaError, MediaPolicy
+from sluice.tokenizer.media.process import ProcessedImage, process_image
 
 if TYPE_CHECKING:
     from sluice.config import ServerArgs
@@ -36,31 +40,41 @@ logger = logging.getLogger(__name__)
 _OFF_LOOP_LEN = 1024 * 1024  # bytes hashed in a thread past this (hashlib releases the GIL)
 
 
-class ImageCache:
-    """Decoded images by hash, least recently used evicted first; at most `capacity` bytes of
-    pixels held (an image larger than that is not kept)."""
+class _Image(Protocol):
+    @property
+    def hash(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+ImageT = TypeVar("ImageT", bound=_Image)
+
+
+class ImageCache(Generic[ImageT]):
+    """Images (decoded or processed) by hash, least recently used evicted first; at most
+    `capacity` bytes of pixels held (an image larger than that is not kept)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.held_len = 0
-        self._images: OrderedDict[str, DecodedImage] = OrderedDict()
+        self._images: OrderedDict[str, ImageT] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._images)
 
-    def get(self, image_hash: str) -> DecodedImage | None:
+    def get(self, image_hash: str) -> ImageT | None:
         image = self._images.get(image_hash)
         if image is not None:
             self._images.move_to_end(image_hash)
         return image
 
-    def put(self, image: DecodedImage) -> None:
-        size = image.pixels.nbytes
+    def put(self, image: ImageT) -> None:
+        size = image.nbytes
         if size > self.capacity or image.hash in self._images:
             return
         while self.held_len + size > self.capacity:
             _, old = self._images.popitem(last=False)
-            self.held_len -= old.pixels.nbytes
+            self.held_len -= old.nbytes
         self._images[image.hash] = image
         self.held_len += size
 
@@ -84,22 +98,27 @@ class MediaManager:
         num_workers: int = 0,
         executor: Executor | None = None,
         resolve: Resolve = system_resolve,
+        processor_dir: str | None = None,
     ) -> None:
         """`executor` (tests: a thread pool) replaces the process pool, and is not shut down
-        by `close()`; `resolve` replaces DNS."""
+        by `close()`; `resolve` replaces DNS; `processor_dir`: the checkpoint whose image
+        processor `process_images` runs."""
         self.policy = policy
         self.fetcher = MediaFetcher(policy, resolve)
-        self.cache = ImageCache(cache_bytes)
+        self.cache: ImageCache[DecodedImage] = ImageCache(cache_bytes)
+        self.processed_cache: ImageCache[ProcessedImage] = ImageCache(cache_bytes)
+        self.processor_dir = processor_dir
         self._num_workers = num_workers
         self._executor = executor
         self._owns_executor = executor is None
 
     @classmethod
-    def from_args(cls, args: ServerArgs) -> MediaManager:
+    def from_args(cls, args: ServerArgs, processor_dir: str | None = None) -> MediaManager:
         return cls(
             MediaPolicy.from_args(args),
             cache_bytes=args.media_cache_mb * 1024 * 1024,
             num_workers=args.num_media_workers,
+            processor_dir=processor_dir,
         )
 
     @property
@@ -107,27 +126,22 @@ class MediaManager:
         return self._executor is not None
 
     async def load_images(self, urls: Sequence[str]) -> list[DecodedImage]:
-        """All images of one request, in order; the first refusal cancels the others."""
-        self.policy.check_num_images(len(urls))
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self.load_image(url)) for url in urls]
-        except BaseExceptionGroup as group_error:
-            raise _first_error(group_error) from None
-        return [task.result() for task in tasks]
+        """All images of one request, decoded, in order; the first refusal cancels the
+        others."""
+        return await self._gather(self.load_image, urls)
+
+    async def process_images(self, urls: Sequence[str]) -> list[ProcessedImage]:
+        """All images of one request as the model takes them (`processor_dir`'s processor),
+        in order; the first refusal cancels the others."""
+        return await self._gather(self.process_image, urls)
 
     async def load_image(self, url: str) -> DecodedImage:
-        data = await self.fetcher.fetch(url)
-        if len(data) > _OFF_LOOP_LEN:
-            image_hash = await asyncio.to_thread(_sha256, data)
-        else:
-            image_hash = _sha256(data)
-        cached = self.cache.get(image_hash)
-        if cached is not None:
-            return cached
-        image = await self._decode(data, image_hash)
-        self.cache.put(image)
-        return image
+        return await self._load(url, self.cache, decode_image)
+
+    async def process_image(self, url: str) -> ProcessedImage:
+        assert self.processor_dir is not None, "process_image needs a processor_dir"
+        work = partial(process_image, model_dir=self.processor_dir)
+        return await self._load(url, self.processed_cache, work)
 
     async def close(self) -> None:
         await self.fetcher.close()
@@ -135,12 +149,35 @@ class MediaManager:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
-    async def _decode(self, data: bytes, image_hash: str) -> DecodedImage:
+    async def _gather(self, load: Any, urls: Sequence[str]) -> list[Any]:
+        self.policy.check_num_images(len(urls))
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(load(url)) for url in urls]
+        except BaseExceptionGroup as group_error:
+            raise _first_error(group_error) from None
+        return [task.result() for task in tasks]
+
+    async def _load(self, url: str, cache: ImageCache[ImageT], work: Any) -> ImageT:
+        """Fetch, hash, and (on a cache miss) run `work(data, hash, max_pixels)` in a worker."""
+        data = await self.fetcher.fetch(url)
+        if len(data) > _OFF_LOOP_LEN:
+            image_hash = await asyncio.to_thread(_sha256, data)
+        else:
+            image_hash = _sha256(data)
+        cached = cache.get(image_hash)
+        if cached is not None:
+            return cached
+        image = await self._in_worker(work, data, image_hash)
+        cache.put(image)
+        return image
+
+    async def _in_worker(self, work: Any, data: bytes, image_hash: str) -> Any:
         loop = asyncio.get_running_loop()
         executor = self._get_executor()
         max_pixels = self.policy.max_image_pixels
         try:
-            return await loop.run_in_executor(executor, decode_image, data, image_hash, max_pixels)
+            return await loop.run_in_executor(executor, work, data, image_hash, max_pixels)
         except BrokenProcessPool:
             # a worker died (a decoder crash or the OOM killer): a fresh pool for the next image
             logger.warning("a media decode process died; the pool is restarted")

@@ -1,0 +1,162 @@
+"""Images for the model (HTTP side): the processor in the media workers, placeholder expansion
+into hash ids, and the wire item that carries an image to the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import numpy as np
+import pytest
+
+from sluice.checkpoint.model_config import ModelConfig
+from sluice.checkpoint.vision import ImageSlots
+from sluice.messages import ImageItem, SamplingParams, TokenizedGenerateReqInput, ToScheduler
+from sluice.tokenizer.images import MAX_IMAGE_ID, expand_images, image_ids
+from sluice.tokenizer.media import MediaManager, MediaPolicy
+from sluice.tokenizer.media.process import ProcessedImage
+from sluice.tokenizer.normalize import RequestError
+from sluice.utils import ipc
+from tests.tiny_models import make_tiny_llava
+
+VOCAB = 1000
+SLOTS = ImageSlots(image_token_id=999, tokens_per_image=4, pixel_shape=(3, 2, 2))
+HASH_A, HASH_B = "ab" * 32, "cd" * 32
+
+
+def _processed(image_hash: str) -> ProcessedImage:
+    return ProcessedImage(image_hash, np.arange(12, dtype=np.float32).reshape(3, 2, 2))
+
+
+def _png(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+# ---- hash ids and expansion --------------------------------------------------------------------
+
+
+def test_image_ids_come_from_the_hash_alone_outside_the_vocabulary() -> None:
+    a, b = image_ids(HASH_A, 20, VOCAB), image_ids(HASH_B, 20, VOCAB)
+    assert a == image_ids(HASH_A, 20, VOCAB)  # the same image: the same ids, for the cache
+    assert a != b and not set(a) & set(b)
+    assert all(VOCAB <= t < MAX_IMAGE_ID for t in a + b)
+    assert len(set(a)) == 1 or a[:8] != a[8:16] or len(set(a[:8])) > 1  # not one constant id
+
+
+def test_one_placeholder_per_image_expands_with_explicit_offsets() -> None:
+    ids = [1, 999, 2, 3, 999, 999, 4]  # text, image A, text, images A and B side by side
+    images = [_processed(HASH_A), _processed(HASH_A), _processed(HASH_B)]
+    out = expand_images(ids, images, SLOTS, VOCAB, "messages")
+    a, b = image_ids(HASH_A, 4, VOCAB), image_ids(HASH_B, 4, VOCAB)
+    assert out.input_ids == [1, *a, 2, 3, *a, *b, 4]
+    assert out.display_ids == [1, *[999] * 4, 2, 3, *[999] * 8, 4]
+    assert [(i.hash, i.offset, i.length) for i in out.images] == [
+        (HASH_A, 1, 4), (HASH_A, 7, 4), (HASH_B, 11, 4),
+    ]  # fmt: skip
+    for item in out.images:
+        assert out.input_ids[item.offset : item.offset + item.length] == image_ids(
+            item.hash, 4, VOCAB
+        )
+        pixels = np.frombuffer(item.pixel_values, dtype=item.dtype).reshape(item.shape)
+        assert np.array_equal(pixels, _processed(HASH_A).pixel_values)
+    # id >= vocab exactly at the image positions
+    spans = {p for i in out.images for p in range(i.offset, i.offset + i.length)}
+    assert {p for p, t in enumerate(out.input_ids) if t >= VOCAB} == spans
+
+
+def test_a_prompt_expanded_by_the_processor_is_taken_as_it_is() -> None:
+    ids = [5, *[999] * 4, *[999] * 4, 6]
+    out = expand_images(ids, [_processed(HASH_A), _processed(HASH_B)], SLOTS, VOCAB, "input_ids")
+    assert out.display_ids == ids
+    assert [(i.offset, i.length) for i in out.images] == [(1, 4), (5, 4)]
+    assert out.input_ids[1:9] == image_ids(HASH_A, 4, VOCAB) + image_ids(HASH_B, 4, VOCAB)
+
+
+@pytest.mark.parametrize(("ids", "num_images"), [([1, 2], 1), ([999, 999], 1), ([1, 999], 0)])
+def test_placeholders_and_images_must_match(ids: list[int], num_images: int) -> None:
+    with pytest.raises(RequestError) as info:
+        expand_images(ids, [_processed(HASH_A)] * num_images, SLOTS, VOCAB, "messages")
+    assert info.value.status_code == 400 and "image placeholders" in info.value.message
+
+
+def test_image_item_round_trips_inside_a_request() -> None:
+    out = expand_images([1, 999, 2], [_processed(HASH_A)], SLOTS, VOCAB, "messages")
+    msg = TokenizedGenerateReqInput(
+        rid="r", input_ids=out.input_ids, sampling_params=SamplingParams(max_new_tokens=3),
+        images=out.images,
+    )  # fmt: skip
+    back = ipc.Inbox(ToScheduler).decode(ipc.encode(msg))
+    assert back == msg and isinstance(back.images[0], ImageItem)
+    plain = ipc.Inbox(ToScheduler).decode(
+        ipc.encode(TokenizedGenerateReqInput("t", [1], SamplingParams()))
+    )
+    assert plain.images == []
+    assert b"images" not in msgspec.msgpack.encode(plain)  # text-only requests carry nothing
+
+
+# ---- the processor in the media workers --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory, smollm2_hf_dir: str) -> str:
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny_llava"), tokenizer_dir=smollm2_hf_dir)
+
+
+def test_slots_agree_with_the_model_and_its_processor(tiny_llava: str) -> None:
+    from transformers import AutoProcessor
+
+    from sluice.model.models.llava import LlavaVisionConfig
+
+    cfg = ModelConfig.from_hf_dir(tiny_llava)
+    slots = ImageSlots.of(cfg)
+    assert slots is not None
+    assert slots.tokens_per_image == LlavaVisionConfig.from_dict(cfg.multimodal).tokens_per_image
+    processor = AutoProcessor.from_pretrained(tiny_llava)
+    ids = processor(text="<image>", images=[_image(_png(0))])["input_ids"][0]
+    assert list(ids).count(slots.image_token_id) == slots.tokens_per_image == 16
+    assert ImageSlots.of(dataclasses.replace(cfg, multimodal=None)) is None
+
+
+def _image(data: bytes):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def test_processed_pixels_equal_transformers_and_are_cached(tiny_llava: str) -> None:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_llava)
+    pngs = [_png(1), _png(2, (64, 40))]
+
+    async def go() -> tuple[list[ProcessedImage], list[ProcessedImage], MediaManager]:
+        manager = MediaManager(
+            MediaPolicy(), executor=ThreadPoolExecutor(1), processor_dir=tiny_llava
+        )
+        try:
+            first = await manager.process_images([_data_uri(p) for p in pngs])
+            again = await manager.process_images([_data_uri(pngs[1])])
+        finally:
+            await manager.close()
+        return first, again, manager
+
+    first, again, manager = asyncio.run(go())
+    want = processor.image_processor([_image(p) for p in pngs], return_tensors="np")
+    for got, expected in zip(first, want["pixel_values"], strict=True):
+        assert got.pixel_values.dtype == np.float32 and got.pixel_values.shape == (3, 32, 32)
+        assert np.array_equal(got.pixel_values, expected)
+    assert again[0] is first[1]  # the processed image came from the cache
+    assert len(manager.processed_cache) == 2 and len(manager.cache) == 0

@@ -87,9 +87,11 @@ def plan_prefill(
             last.append(req)
         offset += req.extend_len
     new_lens = [r.extend_len for r in reqs]
+    # every request's images (the forward takes the rows of its new positions); none for text
+    images = [r.images for r in reqs] if any(r.images for r in reqs) else None
     fb = ForwardBatch.build(
         ForwardMode.EXTEND, input_ids, [r.kv_committed_len for r in reqs], new_lens, slots,
-        req_to_token, [r.req_pool_idx for r in reqs], logits_rows, device,
+        req_to_token, [r.req_pool_idx for r in reqs], logits_rows, device, images,
     )  # fmt: skip
     return StepPlan(reqs, fb, new_lens, last, last_rows, spans)
 
@@ -167,11 +169,13 @@ def _input_logprobs(
             tops.append(None)
         if num > 0:
             ids = req.origin_input_ids[first_pos + 1 : first_pos + 1 + num]
-            targets = torch.tensor(ids, device=logits.device)
+            # an image position's id lies outside the vocabulary: it has no logprob (None)
+            vocab = logits.shape[-1]
+            targets = torch.tensor(ids, device=logits.device).clamp(0, vocab - 1)
             values, top = token_logprobs(
                 logits[first_row : first_row + num], targets, req.top_logprobs_num
             )
-            lps.extend(values.tolist())
+            lps.extend(v if t < vocab else None for t, v in zip(ids, values.tolist(), strict=True))
             tops.extend(_top_list(top, num) or [None] * num)
         out.append((req, lps, tops))
     return out

@@ -11,6 +11,10 @@ The last output token never has KV yet: decode computes it as the next step's in
 A pooled request (`pooled` is EMBED or SCORE) is prefill only: max_new_tokens 0, it never
 decodes; the step that computes its last prompt token finishes it with `pooled_result`, the
 float32 bytes of its embedding or of its label-token logprobs.
+
+A request with images (`images`, sluice.model.multimodal.ImageSpan) has ids outside the
+vocabulary exactly at its image positions; the spans stay with it through retraction and
+re-admission, and each prefill forward takes the rows of the positions it computes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 
 from sluice.messages import FinishReason, SamplingParams, TopLogprobs
+from sluice.model.multimodal import ImageSpan
 from sluice.scheduler.grammar import GrammarMatcher
 
 EMBED, SCORE = "embed", "score"  # pooling of a prefill-only request
@@ -71,6 +76,7 @@ class Req:
         self.reasoning_start_id = reasoning_start_id  # -1 once the first token is out
         # a session turn (sessions.TurnPlan) that starts once this request's grammar compiled
         self.pending_turn: Any = None
+        self.images: list[ImageSpan] = []  # in order of offset; set at intake
 
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None

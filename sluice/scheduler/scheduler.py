@@ -26,6 +26,7 @@ import torch
 
 from sluice.aborts import abort, aborted, internal_error, invalid, shutdown
 from sluice.checkpoint.model_config import ModelConfig
+from sluice.checkpoint.vision import ImageSlots
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
@@ -51,6 +52,7 @@ from sluice.scheduler.batch import (
 )
 from sluice.scheduler.finish import FinishChecker
 from sluice.scheduler.grammar import GrammarManager, advance_grammar, grammar_key
+from sluice.scheduler.images import image_spans
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sluice.scheduler.output import build_embedding_output, build_output
 from sluice.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting
@@ -87,6 +89,7 @@ class Scheduler:
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)
         self.finish_checker = FinishChecker(tokenizer, self.context_len)
         self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.image_slots = ImageSlots.of(cfg)  # None: text only
         self.rng = random.Random(args.random_seed)
         self.sessions = SessionManager(prepended_bos(tokenizer))
         self.grammars = (
@@ -121,7 +124,8 @@ class Scheduler:
             except SessionError as e:
                 return self._reject(self._build_req(msg, msg.input_ids), e.message, e.code)
         req = self._build_req(msg, plan.input_ids if plan is not None else msg.input_ids)
-        error = self._validate(req)
+        error = self._attach_images(req, msg) if msg.images else None
+        error = error or self._validate(req)
         if msg.rid in self.reqs:
             error = f"a request with rid {msg.rid!r} is already running"
         if error is not None:
@@ -207,11 +211,25 @@ class Scheduler:
             reasoning_start_id=msg.reasoning_start_id,
         )  # fmt: skip
 
+    def _attach_images(self, req: Req, msg: TokenizedGenerateReqInput) -> str | None:
+        """Give `req` the message's images (scheduler/images.py); the refusal, or None."""
+        if msg.session_params is not None:
+            return "images in session turns are not supported"
+        try:
+            req.images = image_spans(
+                msg.images, req.origin_input_ids, self.image_slots, self.cfg.vocab_size
+            )
+        except ValueError as e:
+            return str(e)
+        return None
+
     def _validate(self, req: Req) -> str | None:
+        """A request's images were checked with their ids (`_attach_images`)."""
         n = len(req.origin_input_ids)
         if n == 0:
             return "the prompt is empty"
-        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.cfg.vocab_size:
+        ids = req.origin_input_ids
+        if not req.images and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size):
             return f"token ids must be in [0, {self.cfg.vocab_size})"
         labels = req.label_token_ids
         if labels is not None and not labels:

@@ -154,7 +154,7 @@ class ServerArgs:
         above=0,
     )  # fmt: skip
 
-    # images (in progress: accepted only once a vision-language model is supported)
+    # images (vision-language models; a text-only model refuses them)
     allowed_media_domains: tuple[str, ...] = _opt(
         (),
         "hosts image URLs may be fetched from, each with its subdomains (example.com allows "
@@ -183,10 +183,10 @@ class ServerArgs:
     )
     max_images_per_request: int = _opt(16, "images in one request", at_least=0)
     media_cache_mb: int = _opt(
-        256, "MiB of decoded images kept by content hash (0: no cache)", at_least=0
+        256, "MiB of decoded (or processed) images kept by content hash (0: no cache)", at_least=0
     )
     num_media_workers: int = _opt(
-        0, "processes decoding images, started at the first image (0: cores, at most 4)",
+        0, "processes decoding and processing images, started at the first image (0: cores, at most 4)",
         at_least=0,
     )  # fmt: skip
 

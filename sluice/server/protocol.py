@@ -224,10 +224,17 @@ class ChatMessage(_Lenient):
     content: str | list[dict[str, Any]] | None = None
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it: content parts joined into one string."""
+        """The message as the chat template sees it: text parts joined into one string; with
+        image parts, the parts (the TokenizerManager renders the images' placeholders)."""
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            out["content"] = "\n".join(_part_text(p) for p in self.content)
+            parts = [_part(p) for p in self.content]
+            if all(isinstance(p, str) for p in parts):
+                out["content"] = "\n".join(parts)  # type: ignore[arg-type]
+            else:
+                out["content"] = [
+                    {"type": "text", "text": p} if isinstance(p, str) else p for p in parts
+                ]
         return out
 
 
@@ -238,12 +245,21 @@ def _choice_grammar(choices: Any) -> str:
     return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
-def _part_text(part: dict[str, Any]) -> str:
+def _part(part: dict[str, Any]) -> str | dict[str, Any]:
+    """A text part's text, or an image_url part as it is (its URL checked for a string)."""
     kind = part.get("type")
     if kind in ("text", "input_text") and isinstance(part.get("text"), str):
         return part["text"]
-    if kind in ("image_url", "input_image", "image", "audio", "input_audio", "video_url"):
-        raise ValueError(f"content part of type {kind!r}: this model accepts text only")
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str):
+            raise ValueError("an image_url part needs {'image_url': {'url': <string>}}")
+        return {"type": "image_url", "image_url": {"url": url}}
+    if kind in ("input_image", "image"):
+        raise ValueError(f"content part of type {kind!r}: send images as image_url parts")
+    if kind in ("audio", "input_audio", "video_url"):
+        raise ValueError(f"content part of type {kind!r}: this model accepts text and images only")
     raise ValueError(f"unsupported content part {kind!r}: expected {{'type': 'text', 'text': ...}}")
 
 
@@ -380,6 +396,9 @@ class GenerateRequest(_Lenient):
     top_logprobs_num: Count = 0
     session_params: dict[str, Any] | None = None
     timeout: float | None = Field(default=None, ge=0)  # seconds in all (503 "timeout" after)
+    # images (URLs or data: URIs): one or a list for one prompt; for a batch, one entry per
+    # prompt (a URL, a list, or null)
+    image_data: str | list[str | list[str] | None] | None = None
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:

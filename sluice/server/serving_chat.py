@@ -24,6 +24,7 @@ from sluice.server.serving_base import OpenAIServingBase, ResponseState, finish_
 from sluice.server.sse import sse_data
 from sluice.server.tool_grammar import forced_call_grammar
 from sluice.server.tool_parser import MARKERS
+from sluice.tokenizer import chat
 from sluice.tokenizer.generate_input import GenerateReqInput
 
 CHUNK = "chat.completion.chunk"
@@ -47,6 +48,7 @@ class OpenAIServingChat(OpenAIServingBase):
         )
         # the template already holds the special tokens (BOS, role markers): add none again
         input_ids = await self.tm.tokenize(text, add_special_tokens=False)
+        image_urls = chat.image_urls(messages)  # in the order of their placeholders in `text`
         parsers = self._parsers(req)
         params = req.sampling_params()
         if req.forced_tool is not None:
@@ -68,6 +70,7 @@ class OpenAIServingChat(OpenAIServingBase):
             stream=req.stream,
             timeout=req.timeout or 0.0,
             session_params=req.session_params,
+            image_data=image_urls or None,
         )
 
     def _parsers(self, req: ChatCompletionRequest) -> ChatParsers:

@@ -62,6 +62,7 @@ class ServingGenerate:
             stream=req.stream,
             session_params=req.session_params,
             timeout=req.timeout or 0.0,
+            image_data=req.image_data,
         )
 
     async def handle(self, raw_request: Request) -> Response:

@@ -1,9 +1,12 @@
 """Chat messages → prompt text, through the tokenizer's own chat template.
 
-Text-only models: a message's `content` is a string, None, or a list of parts where every part
-is `{"type": "text", "text": ...}`; the parts are joined with newlines. Any other part, a
-missing template or a template that fails (jinja errors, `raise_exception` in the template) is
-the client's problem: a 400 RequestError.
+A message's `content` is a string, None, or a list of parts, each `{"type": "text", "text": ...}`
+or, for a vision-language model, `{"type": "image_url", "image_url": {"url": ...}}`; the parts
+are joined with newlines, an image part as the model's image token (`image_token`, e.g.
+`<image>`) at its place, so that any text template renders it and the prompt names the images
+in the order `image_urls` lists them. Any other part, an image for a text-only model, a missing
+template or a template that fails (jinja errors, `raise_exception` in the template) is the
+client's problem: a 400 RequestError.
 
 Tool turns are normalized so that every template finds the fields it reads: content None is ""
 (templates concatenate it; transformers would otherwise drop the key), an assistant's
@@ -51,10 +54,12 @@ def apply_chat_template(
     tools: list | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
+    image_token: str | None = None,
 ) -> str:
+    """`image_token`: what an image part becomes; None: the model takes text only."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template; use the completions API instead")
-    conversation = normalize_messages(messages)
+    conversation = normalize_messages(messages, image_token)
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED_KWARGS & set(kwargs))
     if reserved:
@@ -143,9 +148,21 @@ def template_supports_tools(chat_template: str | None) -> bool:
     )
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Copies of `messages` with text-only content ("" for None) and tool turns normalized
-    (see the module docstring); the caller's dicts are not changed."""
+def image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The URLs of the image parts of `messages`, in order."""
+    urls = []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                image = part.get("image_url")
+                urls.append(image.get("url") if isinstance(image, dict) else image)
+    return urls
+
+
+def normalize_messages(messages: Any, image_token: str | None = None) -> list[dict[str, Any]]:
+    """Copies of `messages` with text content ("" for None; image parts as `image_token`) and
+    tool turns normalized (see the module docstring); the caller's dicts are not changed."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
     out = []
@@ -155,7 +172,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             raise RequestError(
                 f"messages[{i}] must be an object with a string role", param=f"messages[{i}]"
             )
-        norm = {**msg, "content": _text_content(msg.get("content"), i) or ""}
+        norm = {**msg, "content": _text_content(msg.get("content"), i, image_token) or ""}
         norm.pop("tool_calls", None)
         if msg.get("tool_calls"):
             norm["tool_calls"] = _tool_calls(msg["tool_calls"], i)
@@ -168,7 +185,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _text_content(content: Any, i: int) -> str | None:
+def _text_content(content: Any, i: int, image_token: str | None) -> str | None:
     if content is None or isinstance(content, str):
         return content
     param = f"messages[{i}].content"
@@ -177,6 +194,13 @@ def _text_content(content: Any, i: int) -> str | None:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            if image_token is None:
+                raise RequestError(
+                    "content part of type 'image_url': this model accepts text only", param=param
+                )
+            texts.append(image_token)
+            continue
         if kind != "text" or not isinstance(part.get("text"), str):
             raise RequestError(
                 f"content part of type {kind!r} is not supported by this text-only model",

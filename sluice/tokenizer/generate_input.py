@@ -27,6 +27,9 @@ class GenerateReqInput:
     timeout: float = 0.0  # seconds, 0: none
     grammar_after_id: int = -1  # these two: see messages.TokenizedGenerateReqInput
     reasoning_start_id: int = -1
+    # image references (URLs, data: URIs): one or a list for a single prompt; for a batch,
+    # one entry per prompt (a reference, a list, or None); see tokenizer/images.py
+    image_data: str | list[Any] | None = None
 
     @property
     def is_single(self) -> bool:

@@ -20,11 +20,17 @@ tokens per image, e.g. /generate input_ids from transformers) is taken as well.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from sluice.checkpoint.model_config import ModelConfig
 from sluice.checkpoint.vision import ImageSlots
 from sluice.messages import ImageItem
-from sluice.tokenizer.media.process import ProcessedImage
+from sluice.tokenizer.media.manager import MediaManager
+from sluice.tokenizer.media.process import ProcessedImage, load_image_processor
 from sluice.tokenizer.normalize import RequestError
+
+if TYPE_CHECKING:
+    from sluice.config import ServerArgs
 
 MAX_IMAGE_ID = 2**31 - 1  # ids stay int32-safe in every tensor that holds them
 
@@ -100,3 +106,53 @@ def _expand(
     out += ids[prev:]
     display += ids[prev:]
     return ExpandedPrompt(out, display, items)
+
+
+def image_data_per_prompt(image_data: Any, num_prompts: int, is_single: bool) -> list[list[str]]:
+    """`image_data` (GenerateReqInput's) as one list of references per prompt."""
+    if image_data is None:
+        return [[] for _ in range(num_prompts)]
+    if is_single:
+        refs = [image_data] if isinstance(image_data, str) else image_data
+        per_prompt = [refs]
+    elif not isinstance(image_data, list) or len(image_data) != num_prompts:
+        raise RequestError(
+            f"image_data for a batch of {num_prompts} prompts needs one entry per prompt",
+            param="image_data",
+        )
+    else:
+        per_prompt = [[] if d is None else [d] if isinstance(d, str) else d for d in image_data]
+    for refs in per_prompt:
+        if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+            raise RequestError(
+                "image_data must hold image URLs or data: URIs (strings)", param="image_data"
+            )
+    return per_prompt
+
+
+class PromptImages:
+    """The TokenizerManager's image side, for a vision-language model: the media manager (its
+    worker pool runs the checkpoint's image processor) and the placeholder expansion."""
+
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, slots: ImageSlots, tokenizer: Any):
+        load_image_processor(cfg.hf_dir)  # fail at start-up, not at the first image
+        self.slots = slots
+        self.vocab_size = cfg.vocab_size
+        self.image_token: str = tokenizer.convert_ids_to_tokens(slots.image_token_id)
+        self.media = MediaManager.from_args(args, processor_dir=cfg.hf_dir)
+
+    async def load(self, refs: list[list[str]]) -> list[list[ProcessedImage]]:
+        """The images of every prompt, processed; the first refusal cancels the others."""
+        self.media.policy.check_num_images(sum(len(r) for r in refs))
+        flat = await self.media.process_images([r for prompt in refs for r in prompt])
+        out, start = [], 0
+        for prompt in refs:
+            out.append(flat[start : start + len(prompt)])
+            start += len(prompt)
+        return out
+
+    def expand(self, ids: list[int], images: list[ProcessedImage], param: str) -> ExpandedPrompt:
+        return expand_images(ids, images, self.slots, self.vocab_size, param)
+
+    async def close(self) -> None:
+        await self.media.close()

@@ -38,6 +38,7 @@ import msgspec
 
 from sluice.aborts import SHUTDOWN_MESSAGE, aborted, shutdown, unavailable
 from sluice.checkpoint.model_config import ModelConfig
+from sluice.checkpoint.vision import ImageSlots
 from sluice.config import ServerArgs
 from sluice.messages import (
     AbortReq,
@@ -62,6 +63,7 @@ from sluice.tokenizer import chat
 from sluice.tokenizer.counters import RequestCounters
 from sluice.tokenizer.embedding_manager import EmbeddingManager, decoder_info
 from sluice.tokenizer.generate_input import GenerateReqInput
+from sluice.tokenizer.images import ExpandedPrompt, PromptImages, image_data_per_prompt
 from sluice.tokenizer.model_client import ModelClient, OwnsClient, shutting_down_error
 from sluice.tokenizer.normalize import (
     Item,
@@ -114,6 +116,9 @@ class TokenizerManager(OwnsClient):
             executor=self._executor, admit=self._admit_pooled,
         )  # fmt: skip
         self.client.on(BatchStrOutput, self._handle_batch_output)
+        # a vision-language model's images; None: text only (no media pool is ever started)
+        slots = ImageSlots.of(model_config)
+        self.images = None if slots is None else PromptImages(args, model_config, slots, tokenizer)
         # the detokenizer passes them through unchanged
         self.client.on(BatchEmbeddingOutput, self.embedding_manager.on_output)
 
@@ -127,6 +132,8 @@ class TokenizerManager(OwnsClient):
         self.server_ready = False
         await self.client.close()
         self._executor.shutdown(wait=False)
+        if self.images is not None:
+            await self.images.close()
 
     def on_child_death(self, message: str) -> None:
         """A child process is gone: fail every live request and control call with 503."""
@@ -207,15 +214,17 @@ class TokenizerManager(OwnsClient):
         prompt_ids = await self._prompt_ids(items)
         session = _session_params(obj.session_params)
         param = "text" if obj.text is not None else "input_ids"
+        prompts = await self._with_images(prompt_ids, obj, param)
         reqs = []
         for item, state in zip(items, states, strict=True):
-            ids = prompt_ids[item.prompt_index]
-            self._validate_prompt(ids, param, obj)
+            prompt = prompts[item.prompt_index]
+            ids = prompt.input_ids
+            self._validate_prompt(prompt.display_ids, param, obj)
             self._validate_logit_bias(item.params)
             if session is None or item.params.max_new_tokens is not None:
                 # a session turn's prompt is built by the scheduler, which fills the default
                 self._resolve_max_new_tokens(item, len(ids))
-            state.prompt_ids, state.logprob_start_len = ids, obj.logprob_start_len
+            state.prompt_ids, state.logprob_start_len = prompt.display_ids, obj.logprob_start_len
             state.meta["prompt_tokens"] = len(ids)
             reqs.append(
                 TokenizedGenerateReqInput(
@@ -224,10 +233,28 @@ class TokenizerManager(OwnsClient):
                     top_logprobs_num=obj.top_logprobs_num, stream=obj.stream,
                     session_params=session, timeout=obj.timeout, reply_to=self.client.reply_to,
                     grammar_after_id=obj.grammar_after_id,
-                    reasoning_start_id=obj.reasoning_start_id,
+                    reasoning_start_id=obj.reasoning_start_id, images=prompt.images,
                 )
             )  # fmt: skip
         return reqs
+
+    async def _with_images(
+        self, prompt_ids: dict[int, list[int]], obj: GenerateReqInput, param: str
+    ) -> dict[int, ExpandedPrompt]:
+        """Every prompt with its images processed and its placeholders expanded
+        (tokenizer/images.py); a text-only prompt as it is."""
+        if self.images is None:
+            if obj.image_data:
+                raise RequestError("image_data: this model accepts text only", param="image_data")
+            return {p: ExpandedPrompt(ids, ids, []) for p, ids in prompt_ids.items()}
+        refs = image_data_per_prompt(obj.image_data, obj.num_prompts, obj.is_single)
+        if obj.session_params is not None and any(refs):
+            raise RequestError("images in session turns are not supported", param="image_data")
+        images = await self.images.load([refs[p] for p in sorted(prompt_ids)])
+        return {
+            p: self.images.expand(prompt_ids[p], found, param)
+            for p, found in zip(sorted(prompt_ids), images, strict=True)
+        }
 
     async def _prompt_ids(self, items: list[Item]) -> dict[int, list[int]]:
         """Token ids of every distinct prompt, keyed by prompt index; texts encoded in a thread."""
@@ -393,9 +420,11 @@ class TokenizerManager(OwnsClient):
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
+        image_token = None if self.images is None else self.images.image_token
         return chat.apply_chat_template(
-            self.tokenizer, messages, tools, chat_template_kwargs, add_generation_prompt
-        )
+            self.tokenizer, messages, tools, chat_template_kwargs, add_generation_prompt,
+            image_token,
+        )  # fmt: skip
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):

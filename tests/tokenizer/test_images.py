@@ -160,3 +160,42 @@ def test_processed_pixels_equal_transformers_and_are_cached(tiny_llava: str) -> 
         assert np.array_equal(got.pixel_values, expected)
     assert again[0] is first[1]  # the processed image came from the cache
     assert len(manager.processed_cache) == 2 and len(manager.cache) == 0
+
+
+# ---- chat parts and image_data ------------------------------------------------------------------
+
+
+def test_chat_image_parts_render_as_the_image_token_in_place() -> None:
+    from sluice.server.protocol import ChatMessage
+    from sluice.tokenizer import chat
+
+    parts = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": "data:a", "detail": "low"}},
+        {"type": "text", "text": "with"},
+        {"type": "image_url", "image_url": "http://b"},
+    ]
+    messages = [
+        ChatMessage(role="system", content="Be brief.").template_dict(),
+        ChatMessage(role="user", content=parts).template_dict(),
+    ]
+    assert chat.image_urls(messages) == ["data:a", "http://b"]
+    rendered = chat.normalize_messages(messages, "<image>")
+    assert rendered[1]["content"] == "Compare\n<image>\nwith\n<image>"
+    with pytest.raises(RequestError) as info:
+        chat.normalize_messages(messages, None)
+    assert "accepts text only" in info.value.message and info.value.status_code == 400
+    with pytest.raises(ValueError, match="image_url"):
+        ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}]).template_dict()
+
+
+def test_image_data_is_spread_per_prompt() -> None:
+    from sluice.tokenizer.images import image_data_per_prompt
+
+    assert image_data_per_prompt(None, 2, False) == [[], []]
+    assert image_data_per_prompt("a", 1, True) == [["a"]]
+    assert image_data_per_prompt(["a", "b"], 1, True) == [["a", "b"]]
+    assert image_data_per_prompt(["a", None, ["b", "c"]], 3, False) == [["a"], [], ["b", "c"]]
+    for bad, num, single in [(["a"], 2, False), ([1], 1, True), ([["a"]], 1, True)]:
+        with pytest.raises(RequestError):
+            image_data_per_prompt(bad, num, single)

@@ -10,7 +10,8 @@ removed when its finish arrives, when it is aborted here (/abort_request, shutdo
 (if still there) in the call's `finally`, which covers errors, client disconnects and
 cancellation. A rid ended here after it was sent to the scheduler gets an AbortReq and waits in
 `awaiting_echo` for the one finish the scheduler sends for every rid it took in; a rid ended
-before it was sent (still tokenizing) never reaches the scheduler. An output for a rid in
+before it was sent (still tokenizing, or its images still fetched or processed) never reaches
+the scheduler, and once no item of its call is left, that call's preparation is cancelled. An output for a rid in
 neither place is a zombie (`counters.unknown_rid_outputs`).
 
 Admission: with --max-queued-requests Q, a request is refused with 429 when the rids in flight
@@ -157,7 +158,7 @@ class TokenizerManager(OwnsClient):
         self._check_admission(len(items))
         states = self._register(items, obj)
         try:
-            reqs = await self._build_reqs(items, obj, states)
+            reqs = await self._prepare(items, obj, states)
             self.client.check_healthy()
             self._send_unfinished(reqs, states)  # an item aborted while tokenizing stays here
             async for out in self._wait(states, obj.stream):
@@ -165,9 +166,30 @@ class TokenizerManager(OwnsClient):
         finally:
             self._release(states)
 
+    async def _prepare(
+        self, items: list[Item], obj: GenerateReqInput, states: list[ReqState]
+    ) -> list[TokenizedGenerateReqInput] | None:
+        """`_build_reqs` as a task that ending every item here cancels (`_finish_here`: an
+        abort while the images are fetched or processed ends at once); None when it was."""
+        task = asyncio.ensure_future(self._build_reqs(items, obj, states))
+        for state in states:
+            state.preparing = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this call itself is cancelled (a client disconnect)
+            return None
+        finally:
+            for state in states:
+                state.preparing = None
+
     def _send_unfinished(
-        self, reqs: list[TokenizedGenerateReqInput], states: list[ReqState]
+        self, reqs: list[TokenizedGenerateReqInput] | None, states: list[ReqState]
     ) -> None:
+        if reqs is None:
+            return
         live = [(r, s) for r, s in zip(reqs, states, strict=True) if not s.finished]
         if not live:
             return
@@ -387,6 +409,9 @@ class TokenizerManager(OwnsClient):
         state.finish(reason)
         state.notify()
         self._end_here(state, cause)
+        task = state.preparing
+        if task is not None and not any(s.preparing is task for s in self.rid_to_state.values()):
+            task.cancel()  # no item of its call is left: stop fetching and processing for it
 
     # ---- receiving (handlers of self.client's loop) ----------------------------------------
 

@@ -35,6 +35,8 @@ class ReqState:
     finished: bool = False
     queued: bool = False
     is_sent: bool = False  # handed to the scheduler (so it will send one finish for it)
+    # while its call's prompts are prepared (tokenized, images fetched and processed): that task
+    preparing: asyncio.Task | None = None
     sent_text_len: int = 0  # characters of `text` already yielded
     sent_logprob_len: int = 0  # entries of output_token_logprobs already yielded
 

@@ -201,3 +201,37 @@ def _replace(item: ImageItem, **changes: Any) -> ImageItem:
     import msgspec
 
     return msgspec.structs.replace(item, **changes)
+
+
+def test_retracted_image_requests_finish_with_the_same_tokens(
+    make_engine, engine, processor, llava_dir, monkeypatch
+) -> None:
+    """A pool too small for all of them: requests are retracted and prefilled again, images
+    and all, and end with the tokens of an unhindered run."""
+    from tests.scheduler.test_retraction import count_retractions, set_new_token_ratio
+
+    tight = make_engine(llava_dir, max_total_tokens=240, max_running_requests=8)
+    set_new_token_ratio(tight.scheduler, 0.05, monkeypatch)
+    prompts = [
+        Prompt(processor, llava_dir, f"Picture {k}: <image> says", [_image(20 + k)])
+        for k in range(6)
+    ]
+    want = [
+        run(engine, p.expanded.input_ids, p.expanded.images, max_new_tokens=48) for p in prompts
+    ]
+    retractions = count_retractions(tight.scheduler)
+    rids = []
+    for p in prompts:
+        rid = f"img-{next(_rids)}"
+        rids.append(rid)
+        tight.scheduler.add_request(
+            TokenizedGenerateReqInput(
+                rid=rid, input_ids=p.expanded.input_ids, images=p.expanded.images,
+                sampling_params=parse_sampling_params(
+                    {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+                ),
+            )
+        )  # fmt: skip
+    got = tight._run_until_done(rids)
+    assert sum(retractions) > 0, "the pool was big enough: nothing was retracted"
+    assert [got[r]["output_ids"] for r in rids] == [w["output_ids"] for w in want]

@@ -6,7 +6,12 @@ a text-only model refuses images with a 400 that says so."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import contextlib
 import io
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +36,9 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) -> 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, llava_dir: str) -> Iterator[LiveServer]:
     log = tmp_path_factory.mktemp("e2e_images") / "server.log"
-    with running_server(llava_dir, SERVER_ARGS, log) as srv:
+    # loopback URLs allowed: the abort tests fetch from a stalling server of their own
+    args = [*SERVER_ARGS, "--allow-private-media-urls"]
+    with running_server(llava_dir, args, log) as srv:
         yield srv
 
 
@@ -161,6 +168,61 @@ def test_placeholders_must_match_the_images(server) -> None:
             "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
     resp = httpx.post(f"{server.base}/generate", json=body, timeout=60)
     assert resp.status_code == 400 and "2 image placeholders for 1 images" in resp.text
+
+
+@contextlib.contextmanager
+def stalling_image_server() -> Iterator[tuple[str, threading.Event]]:
+    """An HTTP server on loopback that accepts connections and never answers: the URL, and an
+    event set once a connection came in."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    connected = threading.Event()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(sock.accept()[0])
+                connected.set()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/slow.png", connected
+    finally:
+        sock.close()
+        for conn in held:
+            conn.close()
+
+
+def test_abort_while_the_image_is_fetched(server) -> None:
+    """/abort_request ends a request whose image is still being fetched at once (not at the
+    fetch timeout), with an abort finish, and nothing of it is left behind."""
+    with stalling_image_server() as (url, connected):
+        body = {"text": "<image> hi", "image_data": url, "rid": "stalled-fetch",
+                "sampling_params": {"max_new_tokens": 4}}  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            pending = pool.submit(httpx.post, f"{server.base}/generate", json=body, timeout=60)
+            assert connected.wait(30), "the server never fetched the image"
+            abort = httpx.post(f"{server.base}/abort_request", json={"rid": "stalled-fetch"})
+            assert abort.status_code == 200, abort.text
+            resp = pending.result(timeout=30)
+            took = time.monotonic() - start
+    assert took < 8, f"the abort waited for the fetch ({took:.1f} s)"
+    assert resp.json()["meta_info"]["finish_reason"]["type"] == "abort", resp.text
+    assert_no_state_left(server.wait_idle())
+
+
+def test_a_client_gone_while_the_image_is_fetched_leaves_nothing(server) -> None:
+    with stalling_image_server() as (url, connected):
+        body = {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}]}], "max_tokens": 4}  # fmt: skip
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.base}/v1/chat/completions", json=body, timeout=2)
+        assert connected.is_set()
+        assert_no_state_left(server.wait_idle())
+    assert _chat(server, [{"role": "user", "content": [_image_part(_image(3))]}]).status_code == 200
 
 
 def test_no_state_left_behind(server) -> None:

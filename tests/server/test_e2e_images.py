@@ -225,6 +225,42 @@ def test_a_client_gone_while_the_image_is_fetched_leaves_nothing(server) -> None
     assert _chat(server, [{"role": "user", "content": [_image_part(_image(3))]}]).status_code == 200
 
 
+def test_prompt_logprobs_pair_image_positions_with_the_image_token(server, reference) -> None:
+    body = {"text": "A <image> B", "image_data": _data_uri(_image(4)), "return_logprob": True,
+            "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+    resp = httpx.post(f"{server.base}/generate", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    pairs = resp.json()["meta_info"]["input_token_logprobs"]
+    image_token_id = reference[0].config.image_token_id
+    at_image = [p for p in pairs if p[1] == image_token_id]
+    assert len(pairs) == resp.json()["meta_info"]["prompt_tokens"] and len(at_image) == 16
+    assert all(lp is None for lp, _ in at_image)
+    assert all(isinstance(lp, float) for lp, t in pairs[1:] if t != image_token_id)
+
+
+def test_a_storm_of_bad_images_among_good_ones(server) -> None:
+    """Bad images (undecodable, not base64, too many) mixed with good ones, all at once: each
+    bad one a 400, each good one a 200, and the server idle after."""
+    good = {"role": "user", "content": [_image_part(_image(10)), {"type": "text", "text": "?"}]}
+    bad_parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,###"}},
+    ]
+    bodies = []
+    for k in range(24):
+        if k % 3 == 0:
+            bodies.append(([good], 200))
+        elif k % 3 == 1:
+            bodies.append(([{"role": "user", "content": [bad_parts[k % 2]]}], 400))
+        else:
+            many = [_image_part(_image(12))] * 17  # over --max-images-per-request (16)
+            bodies.append(([{"role": "user", "content": many}], 400))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda b: _chat(server, b[0]).status_code, bodies))
+    assert codes == [want for _, want in bodies]
+    assert_no_state_left(server.wait_idle())
+
+
 def test_no_state_left_behind(server) -> None:
     assert_no_state_left(server.wait_idle())
 

@@ -300,6 +300,10 @@ def test_chat_template_and_tokenize_roundtrip(serving: Serving) -> None:
     with pytest.raises(RequestError) as info:
         tm.apply_chat_template([{"role": "user", "content": image}])
     assert info.value.status_code == 400 and info.value.param == "messages[0].content"
+    assert "accepts text only" in info.value.message
+    err = serving.error(text="hi", image_data="data:image/png;base64,AAAA")
+    assert err.status_code == 400 and "accepts text only" in err.message
+    assert tm.images is None  # a text-only model has no media manager: no pool ever starts
     with pytest.raises(RequestError):
         tm.apply_chat_template([{"content": "no role"}])
 

@@ -9,6 +9,7 @@ read the BatchEmbeddingOutput the scheduler emits for them.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from sluice.checkpoint.hf_dir import load_model_config
+from sluice.checkpoint.vision import ImageSlots
 from sluice.config import ServerArgs
 from sluice.detokenizer.manager import DetokenizerManager
 from sluice.messages import (
@@ -31,6 +33,8 @@ from sluice.messages import (
 from sluice.scheduler.resources import resolve_resources
 from sluice.scheduler.scheduler import Scheduler
 from sluice.tokenizer import normalize
+from sluice.tokenizer.images import ExpandedPrompt, PromptImages, image_data_per_prompt
+from sluice.tokenizer.normalize import RequestError
 from sluice.utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +70,7 @@ class Engine:
         self.scheduler = Scheduler(self.args, self.model_config, self.tokenizer, self.resources)
         self.detokenizer = DetokenizerManager(self.tokenizer)
         self._ids = itertools.count()
+        self._images: PromptImages | None = None  # made at the first image_data
 
     def generate(
         self,
@@ -75,13 +80,16 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        image_data: str | list[Any] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list of prompts (a list back).
 
         A prompt is text or a list of token ids; `sampling_params` is one dict for all prompts
-        or one per prompt.
+        or one per prompt. `image_data` (a vision-language model): image URLs or data: URIs as
+        on /generate, one `<image>` token in the prompt where each goes.
         """
         prompts, single = self._normalize(prompt, input_ids)
+        expanded = self._with_images(prompts, image_data, single)
         params = (
             sampling_params
             if isinstance(sampling_params, list)
@@ -90,14 +98,14 @@ class Engine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         rids = []
-        for ids, p in zip(prompts, params, strict=True):
+        for prompt_in, p in zip(expanded, params, strict=True):
             rid = f"engine-{next(self._ids)}"
             rids.append(rid)
             self.scheduler.add_request(
                 TokenizedGenerateReqInput(
-                    rid=rid, input_ids=ids, sampling_params=parse_sampling_params(p),
-                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num,
+                    rid=rid, input_ids=prompt_in.input_ids, images=prompt_in.images,
+                    sampling_params=parse_sampling_params(p), return_logprob=return_logprob,
+                    logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                 )
             )  # fmt: skip
         results = self._run_until_done(rids)
@@ -184,6 +192,35 @@ class Engine:
             raise ValueError("no prompt given")
         return [self._encode(x) for x in items], single
 
+    def _with_images(
+        self, prompts: list[list[int]], image_data: Any, single: bool
+    ) -> list[ExpandedPrompt]:
+        """The prompts with their images processed and placeholders expanded (as the server's
+        TokenizerManager does); raises ValueError for images it will not take."""
+        if image_data is None:
+            return [ExpandedPrompt(ids, ids, []) for ids in prompts]
+        try:
+            if self._images is None:
+                slots = ImageSlots.of(self.model_config)
+                if slots is None:
+                    raise RequestError("image_data: this model accepts text only")
+                self._images = PromptImages(self.args, self.model_config, slots, self.tokenizer)
+            refs = image_data_per_prompt(image_data, len(prompts), single)
+            loaded = asyncio.run(self._load_images(self._images, refs))
+            return [
+                self._images.expand(ids, found, "prompt")
+                for ids, found in zip(prompts, loaded, strict=True)
+            ]
+        except RequestError as e:
+            raise ValueError(e.message) from None
+
+    @staticmethod
+    async def _load_images(images: PromptImages, refs: list[list[str]]) -> list[Any]:
+        try:
+            return await images.load(refs)
+        finally:
+            await images.media.fetcher.close()  # its HTTP session belongs to this event loop
+
     def _encode(self, p: Prompt) -> list[int]:
         return self.tokenizer.encode(p) if isinstance(p, str) else list(p)
 
@@ -255,8 +292,11 @@ class Engine:
                 pending.discard(rid)
 
     def shutdown(self) -> None:
-        """Release the model and the KV pool."""
+        """Release the model and the KV pool (and the image workers, if any were started)."""
         self.scheduler = None  # type: ignore[assignment]
+        if self._images is not None:
+            asyncio.run(self._images.close())
+            self._images = None
 
     def __enter__(self) -> Engine:
         return self

@@ -11,8 +11,8 @@ removed when its finish arrives, when it is aborted here (/abort_request, shutdo
 cancellation. A rid ended here after it was sent to the scheduler gets an AbortReq and waits in
 `awaiting_echo` for the one finish the scheduler sends for every rid it took in; a rid ended
 before it was sent (still tokenizing, or its images still fetched or processed) never reaches
-the scheduler, and once no item of its call is left, that call's preparation is cancelled. An output for a rid in
-neither place is a zombie (`counters.unknown_rid_outputs`).
+the scheduler, and once no item of its call is left, that call's preparation is cancelled. An
+output for a rid in neither place is a zombie (`counters.unknown_rid_outputs`).
 
 Admission: with --max-queued-requests Q, a request is refused with 429 when the rids in flight
 (in `rid_to_state`, awaiting an echo, or pooled requests pending in `embedding_manager`) plus

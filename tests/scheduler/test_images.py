@@ -116,10 +116,11 @@ def _count_encoded(engine: Engine) -> list[int]:
 
 
 def test_greedy_tokens_equal_transformers(engine, processor, hf_model, llava_dir) -> None:
+    three = [_image(1), _image(2), _image(3, (64, 40))]
     for text, images in [
         ("USER: <image>\nWhat is this? ASSISTANT:", [_image(0)]),
-        ("USER: <image><image> Compare, then <image>. ASSISTANT:", [_image(1), _image(2), _image(3, (64, 40))]),
-    ]:  # fmt: skip
+        ("USER: <image><image> Compare, then <image>. ASSISTANT:", three),
+    ]:
         prompt = Prompt(processor, llava_dir, text, images)
         out = run(engine, prompt.expanded.input_ids, prompt.expanded.images)
         assert out["output_ids"] == _hf_greedy(hf_model, prompt)
@@ -195,6 +196,8 @@ def test_images_to_a_text_only_model_are_refused(make_engine, tiny_llama_dir) ->
     out = run(text_only, [1, 10**6, 10**6 + 1, 2], [item])
     reason = out["meta_info"]["finish_reason"]
     assert reason["status_code"] == 400 and "text only" in reason["message"]
+    with pytest.raises(ValueError, match="accepts text only"):
+        text_only.generate("hi", image_data="data:image/png;base64,aGVsbG8=")
 
 
 def _replace(item: ImageItem, **changes: Any) -> ImageItem:
@@ -235,3 +238,22 @@ def test_retracted_image_requests_finish_with_the_same_tokens(
     got = tight._run_until_done(rids)
     assert sum(retractions) > 0, "the pool was big enough: nothing was retracted"
     assert [got[r]["output_ids"] for r in rids] == [w["output_ids"] for w in want]
+
+
+def test_engine_image_data_equals_transformers(engine, processor, hf_model, llava_dir) -> None:
+    import base64
+
+    text = "USER: <image> then <image>\nWhich? ASSISTANT:"
+    images = [_image(30), _image(31, (50, 30))]
+    uris = []
+    for image in images:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        uris.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    out = engine.generate(text, greedy, image_data=uris)
+    assert out["output_ids"] == _hf_greedy(hf_model, Prompt(processor, llava_dir, text, images))
+    with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
+        engine.generate(text, greedy, image_data=uris[0])
+    with pytest.raises(ValueError, match="not an image"):
+        engine.generate("<image>", greedy, image_data="data:image/png;base64,aGVsbG8=")

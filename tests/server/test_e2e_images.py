@@ -168,6 +168,10 @@ def test_placeholders_must_match_the_images(server) -> None:
             "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
     resp = httpx.post(f"{server.base}/generate", json=body, timeout=60)
     assert resp.status_code == 400 and "2 image placeholders for 1 images" in resp.text
+    turn = {"text": "<image>", "image_data": _data_uri(_image(1)),
+            "session_params": {"id": "no-such-session"}}  # fmt: skip
+    resp = httpx.post(f"{server.base}/generate", json=turn, timeout=60)
+    assert resp.status_code == 400 and "images in session turns" in resp.text
 
 
 @contextlib.contextmanager

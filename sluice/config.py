@@ -95,8 +95,9 @@ class ServerArgs:
     )  # fmt: skip
     disable_mixed_prefill: bool = _opt(
         False,
-        "run prefills in steps of their own; by default the running batch decodes in the same "
-        "forward as a prefill (one pass over the weights, no decode stall while prompts arrive)",
+        "run prefills in steps of their own; by default, on the CPU, the running batch decodes "
+        "in the same forward as a prefill (one pass over the weights, no decode stall while "
+        "prompts arrive)",
     )  # fmt: skip
     schedule_policy: str = _opt(
         "fcfs", "fcfs: arrival order; lpm: longest cached prefix first", choices=["fcfs", "lpm"]

@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
 RETRACT_HEADROOM_STEPS = 16  # decode steps of room to make when retracting
 GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle step waits for a compilation
+# a mixed step builds padded [B, max_q, max_kv] attention metadata: at most this many entries
+MIX_MAX_PADDED = 1 << 24
 
 
 class Scheduler:
@@ -336,11 +338,11 @@ class Scheduler:
         admitted = {id(r) for r in adder.can_run}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         num_new = sum(r.extend_len for r in adder.can_run)
-        decoding = self.running if self._can_mix(num_new) else []
+        decoding = self.running if self._can_mix(adder.can_run, num_new) else []
         for req in decoding:
             req.extend_len = 1
         self._ensure_free(num_new + len(decoding))
-        self._run_step(adder.can_run + decoding, prefill=True)
+        self._run_step(adder.can_run + decoding, prefill=True, spared=decoding)
         self.num_forward_steps += 1
         if decoding:
             self._decoded()
@@ -355,13 +357,25 @@ class Scheduler:
                 self.running.append(req)
         return True
 
-    def _can_mix(self, num_new: int) -> bool:
-        """Whether the running batch can decode in this prefill's forward: allowed, and its
-        next tokens fit beside the prompts' (else the decode step that follows makes room)."""
+    def _can_mix(self, new: list[Req], num_new: int) -> bool:
+        """Whether the running batch can decode in this prefill's forward: allowed, on the CPU
+        (whose attention kernel reads each row's own slots; CUDA's SDPA would pad every decode
+        row to the prompt's length), its next tokens fit beside the prompts' (else the decode
+        step that follows makes room), and the batch's padded [B, max_q, max_kv] attention
+        metadata stays small."""
         if self.args.disable_mixed_prefill or not self.running:
             return False
+        if self.runner.device.type != "cpu":
+            return False
         room = self.allocator.available_size() + self.tree.evictable_size()
-        return room >= num_new + len(self.running)
+        if room < num_new + len(self.running):
+            return False
+        max_q = max(r.extend_len for r in new)
+        max_kv = max(
+            max(r.kv_committed_len + r.extend_len for r in new),
+            max(r.kv_committed_len + 1 for r in self.running),
+        )
+        return (len(new) + len(self.running)) * max_q * max_kv <= MIX_MAX_PADDED
 
     def _step_decode(self) -> None:
         self._make_room_for_decode()
@@ -376,9 +390,12 @@ class Scheduler:
             NEW_TOKEN_RATIO_MIN, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
 
-    def _run_step(self, reqs: list[Req], prefill: bool) -> None:
+    def _run_step(self, reqs: list[Req], prefill: bool, spared: list[Req] | None = None) -> None:
         """Plan, run and apply one forward (batch.py). A failing one ends the requests of that
-        batch with a 500, never the process; its new slots go back (nobody committed them)."""
+        batch with a 500, never the process; its new slots go back (nobody committed them).
+        `spared` (a mixed step's decoding requests) outlive a failure before anything was
+        applied: they decode again in the next step, and end there if the fault was theirs."""
+        applying = False
         try:
             slots = self.alloc_slots(sum(r.extend_len for r in reqs) if prefill else len(reqs))
             try:
@@ -391,12 +408,16 @@ class Scheduler:
             except Exception:
                 self.allocator.free(slots)
                 raise
+            applying = True
             self._apply_step(plan, out)
         except Exception as exc:
-            logger.exception("forward failed; aborting the %d requests of the batch", len(reqs))
+            kept = {id(r) for r in spared or ()} if not applying else set()
+            logger.exception(
+                "forward failed; aborting %d requests of the batch", len(reqs) - len(kept)
+            )
             reason = internal_error(f"internal error: {type(exc).__name__}: {exc}")
             for req in reqs:
-                if not req.is_finished:
+                if not req.is_finished and id(req) not in kept:
                     self.touched.append(req)
                     self.finish(req, reason)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from sluice import Engine
+from sluice.model.forward_batch import ForwardMode
 
 
 def test_forward_exception_aborts_the_batch_and_the_engine_keeps_serving(
@@ -63,3 +66,32 @@ def test_non_finite_logits_end_only_that_request(
     assert bad["meta_info"]["finish_reason"]["status_code"] == 500
     assert "non-finite" in bad["meta_info"]["finish_reason"]["message"]
     tiny_engine.scheduler.check_idle_invariant()
+
+
+def test_a_failing_mixed_step_ends_its_prompts_and_spares_the_decoding_requests(
+    make_engine: Any, tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second prompt's chunk fails in a forward where the first request decodes: the
+    prompt ends with a 500, the first request decodes on to its length."""
+    engine = make_engine(tiny_llama_dir, chunked_prefill_size=4)
+    runner = engine.scheduler.runner
+    real_forward = runner.forward
+    extends = {"n": 0}
+
+    def failing_forward(fb):
+        if fb.mode == ForwardMode.EXTEND:
+            extends["n"] += 1
+            if extends["n"] == 2:  # the second chunk, with the first request's decode
+                raise RuntimeError("injected fault")
+        return real_forward(fb)
+
+    monkeypatch.setattr(runner, "forward", failing_forward)
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    first, second = engine.generate(
+        input_ids=[[5, 6, 7], list(range(20, 30))], sampling_params=params
+    )
+    assert first["meta_info"]["finish_reason"]["type"] == "length"
+    assert first["meta_info"]["completion_tokens"] == 8
+    reason = second["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 500
+    engine.scheduler.check_idle_invariant()

@@ -318,7 +318,7 @@ class Scheduler:
     def _step_prefill(self) -> bool:
         """Admit what fits and prefill it. The running batch decodes in the same forward (a
         mixed step: one pass over the weights for both, and no decode stall while prompts
-        arrive) unless --disable-mixed-prefill, or the pool cannot hold its next tokens too."""
+        arrive) when `_can_mix` allows it."""
         if not self.waiting and self.chunked_req is None:
             return False
         budget = self.args.max_prefill_tokens  # prompt tokens this step, all requests together
@@ -341,7 +341,6 @@ class Scheduler:
         decoding = self.running if self._can_mix(adder.can_run, num_new) else []
         for req in decoding:
             req.extend_len = 1
-        self._ensure_free(num_new + len(decoding))
         self._run_step(adder.can_run + decoding, prefill=True, spared=decoding)
         self.num_forward_steps += 1
         if decoding:

@@ -186,6 +186,12 @@ class ServerArgs:
     media_cache_mb: int = _opt(
         256, "MiB of decoded (or processed) images kept by content hash (0: no cache)", at_least=0
     )
+    image_feature_cache_mb: int = _opt(
+        256,
+        "MiB of vision-tower outputs kept by image hash in the scheduler, so a repeated image "
+        "or a later prefill chunk of it skips the tower (0: no cache)",
+        at_least=0,
+    )
     num_media_workers: int = _opt(
         0, "processes decoding and processing images, started at the first image (0: cores, at most 4)",
         at_least=0,

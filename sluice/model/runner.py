@@ -20,6 +20,7 @@ from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from sluice.model.models.llava import LlavaForConditionalGeneration
+from sluice.model.multimodal import ImageFeatureCache
 from sluice.utils.system import cpu_flags, native_bf16_flag
 
 logger = logging.getLogger(__name__)
@@ -70,10 +71,13 @@ class ModelRunner:
         dtype: torch.dtype,
         kv_size: int,
         quantization: str = "none",
+        image_cache_bytes: int = 0,
     ) -> None:
-        """`quantization`: "gguf" keeps a GGUF's block weights (sluice.model.quant), "none" not."""
+        """`quantization`: "gguf" keeps a GGUF's block weights (sluice.model.quant), "none" not.
+        `image_cache_bytes`: room for image features kept by image hash (vision models)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.model = load_model(cfg, device, dtype, quantization)
+        self.image_cache = ImageFeatureCache(image_cache_bytes)
         self.kv = KVCache(
             kv_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
@@ -81,14 +85,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the rows in `fb.logits_index`."""
+        self._encode_images(fb)
         return self.model(fb, self.kv).float()
 
     @torch.inference_mode()
     def forward_output(self, fb: ForwardBatch) -> ForwardOutput:
         """Logits and final-norm hidden states, both float32, of the `fb.logits_index` rows
         (for batches with embedding requests, which pool the last token's hidden state)."""
+        self._encode_images(fb)
         out = self.model.forward_output(fb, self.kv)
         return ForwardOutput(out.logits.float(), out.hidden.float())
+
+    def _encode_images(self, fb: ForwardBatch) -> None:
+        """The features of the batch's images, from the cache or the model's vision side."""
+        mm = fb.mm_inputs
+        if mm is not None and mm.features is None:
+            mm.features = self.image_cache.features(
+                mm.images, self.model.image_features, self.device
+            )
 
 
 def load_model(

@@ -36,7 +36,7 @@ def image_spans(
             )
         if item.offset < end or item.offset + item.length > len(input_ids):
             raise ValueError(f"image {k}'s positions overlap another image or pass the prompt")
-        spans.append(ImageSpan(_pixels(item, k, slots), item.offset, item.length))
+        spans.append(ImageSpan(_pixels(item, k, slots), item.offset, item.length, item.hash))
         end = item.offset + item.length
     ids = torch.tensor(input_ids, dtype=torch.int64)
     is_image = torch.zeros(len(input_ids), dtype=torch.bool)

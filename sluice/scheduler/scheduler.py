@@ -84,8 +84,9 @@ class Scheduler:
         self.args, self.cfg, self.res = args, cfg, res
         self.context_len = res.context_len
         self.runner = runner or ModelRunner(
-            cfg, res.device, res.dtype, res.max_total_tokens, res.quantization
-        )
+            cfg, res.device, res.dtype, res.max_total_tokens, res.quantization,
+            image_cache_bytes=args.image_feature_cache_mb * 1024 * 1024,
+        )  # fmt: skip
         self.allocator = TokenToKVPoolAllocator(res.max_total_tokens)
         self.req_pool = ReqToTokenPool(res.max_running_requests, self.context_len + 1)
         self.tree = RadixCache(self.allocator, disable=args.disable_radix_cache)

@@ -16,7 +16,7 @@ import torch
 
 from sluice.checkpoint.model_config import ModelConfig
 from sluice.model.forward_batch import ForwardBatch, ForwardMode
-from sluice.model.multimodal import ImageSpan, MultimodalInputs
+from sluice.model.multimodal import ImageFeatureCache, ImageSpan, MultimodalInputs
 from sluice.model.runner import ModelRunner
 from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from tests.tiny_models import make_tiny_llava
@@ -222,10 +222,64 @@ def test_multimodal_inputs_slice_spans_by_position():
         [6, 3],
         torch.device("cpu"),
     )
-    assert mm is not None and mm.pixel_values.shape[0] == 2 and mm.num_feature_rows == 8
+    assert mm is not None and len(mm.images) == 2 and mm.num_feature_rows == 8
     assert mm.src_index.tolist() == [2, 3, 4, 5]  # rows 2-3 of the first, 0-1 of the second
     assert mm.dst_index.tolist() == [0, 1, 4, 5]  # positions 4, 5, 8, 9 of request 0
     assert MultimodalInputs.build([[first]], [6], [1], torch.device("cpu")) is None
+
+
+def test_multimodal_inputs_take_an_image_once_per_key():
+    """The same image (key) in two requests of a forward, and twice in one, is encoded once;
+    spans without a key are always their own."""
+    pixels = torch.zeros(3, 4, 4)
+    a, b = ImageSpan(pixels, 0, 3, key="a"), ImageSpan(pixels, 5, 3, key="a")
+    mm = MultimodalInputs.build(
+        [[a, b], [ImageSpan(pixels, 1, 3, key="a"), ImageSpan(pixels, 4, 3)]],
+        [0, 0], [8, 7], torch.device("cpu"),
+    )  # fmt: skip
+    assert mm is not None and [s.key for s in mm.images] == ["a", None]
+    assert mm.num_feature_rows == 6
+    assert mm.src_index.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 4, 5]
+    assert mm.dst_index.tolist() == [0, 1, 2, 5, 6, 7, 9, 10, 11, 12, 13, 14]
+
+
+def _counting_encoder(calls: list[int], width: int = 2):
+    def encode(pixels: torch.Tensor) -> torch.Tensor:
+        calls.append(pixels.shape[0])  # each image's rows: its first pixel value, 3 times
+        return pixels[:, :1, :1, :1].reshape(-1, 1, 1).expand(-1, 3, width).clone()
+
+    return encode
+
+
+def test_image_feature_cache_encodes_only_what_it_lacks():
+    cpu, calls = torch.device("cpu"), []
+    encode = _counting_encoder(calls)
+    cache = ImageFeatureCache(max_bytes=2 * 3 * 2 * 4)  # room for two images' float32 rows
+    one, two, three = (
+        ImageSpan(torch.full((3, 4, 4), float(v)), 0, 3, key=str(v)) for v in (1, 2, 3)
+    )
+    assert cache.features([one, two], encode, cpu)[:, 0].tolist() == [1, 1, 1, 2, 2, 2]
+    assert cache.features([two, one], encode, cpu)[:, 0].tolist() == [2, 2, 2, 1, 1, 1]
+    assert calls == [2] and (cache.hits, cache.misses) == (2, 2)
+    cache.features([three], encode, cpu)  # evicts "2", the least recently used
+    assert list(cache.entries) == ["1", "3"] and cache.bytes == 48
+    assert cache.features([two, three], encode, cpu)[:, 0].tolist() == [2, 2, 2, 3, 3, 3]
+    assert calls == [2, 1, 1]
+    unkeyed = ImageSpan(torch.full((3, 4, 4), 5.0), 0, 3)
+    cache.features([unkeyed], encode, cpu)
+    cache.features([unkeyed], encode, cpu)
+    assert calls == [2, 1, 1, 1, 1] and None not in cache.entries
+
+
+def test_image_feature_cache_of_zero_bytes_keeps_nothing_and_checks_rows():
+    cpu, calls = torch.device("cpu"), []
+    cache = ImageFeatureCache(max_bytes=0)
+    image = ImageSpan(torch.ones(3, 4, 4), 0, 3, key="k")
+    cache.features([image], _counting_encoder(calls), cpu)
+    cache.features([image], _counting_encoder(calls), cpu)
+    assert calls == [1, 1] and not cache.entries and cache.bytes == 0
+    with pytest.raises(ValueError, match="3 positions; the vision side gives 2"):
+        cache.features([image], lambda px: torch.zeros(px.shape[0], 2, 2), cpu)
 
 
 def test_loads_the_transformers_4_52_layout(llava, tmp_path):

@@ -154,7 +154,42 @@ def test_a_chunk_cut_through_an_image_gives_the_same_tokens(
     finally:
         del chunked.scheduler.runner.model.image_features
     assert got == want
+    assert calls == [1, 1]  # the chunks after an image's first took its features from the cache
+
+
+def test_without_the_feature_cache_every_chunk_encodes_its_images(
+    make_engine, engine, processor, llava_dir
+) -> None:
+    uncached = make_engine(
+        llava_dir, max_total_tokens=2048, chunked_prefill_size=7, image_feature_cache_mb=0
+    )
+    prompt = Prompt(processor, llava_dir, "Look: <image> and <image>?", [_image(5), _image(6)])
+    want = run(engine, prompt.expanded.input_ids, prompt.expanded.images)["output_ids"]
+    calls = _count_encoded(uncached)
+    try:
+        got = run(uncached, prompt.expanded.input_ids, prompt.expanded.images)["output_ids"]
+    finally:
+        del uncached.scheduler.runner.model.image_features
+    assert got == want
     assert sum(calls) > 2  # each image was encoded by every chunk that cut it
+
+
+def test_a_repeated_image_after_other_text_skips_the_vision_tower(
+    engine, processor, hf_model, llava_dir
+) -> None:
+    """No prefix in common, so the radix cache cannot help: the feature cache does."""
+    image = _image(9)
+    first = Prompt(processor, llava_dir, "<image>\nWhat is it?", [image])
+    second = Prompt(processor, llava_dir, "USER: Tell me about <image> ASSISTANT:", [image])
+    calls = _count_encoded(engine)
+    try:
+        run(engine, first.expanded.input_ids, first.expanded.images)
+        out = run(engine, second.expanded.input_ids, second.expanded.images)
+    finally:
+        del engine.scheduler.runner.model.image_features
+    assert calls == [1]
+    assert out["meta_info"]["cached_tokens"] <= second.expanded.images[0].offset
+    assert out["output_ids"] == _hf_greedy(hf_model, second)
 
 
 def test_prompt_logprobs_and_penalties_skip_image_positions(engine, processor, llava_dir) -> None:

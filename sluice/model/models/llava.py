@@ -102,19 +102,14 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model.forward_output(fb, kv, embeds)
 
     def _embed_with_images(self, fb: ForwardBatch) -> torch.Tensor:
-        """Input embeddings [T, hidden]: the tokens', with image features in their rows."""
+        """Input embeddings [T, hidden]: the tokens', with image features in their rows (the
+        runner fills `mm_inputs.features` from `image_features` and its cache)."""
         mm = fb.mm_inputs
-        assert mm is not None
-        features = self.image_features(mm.pixel_values).flatten(0, 1)  # [I * tokens, hidden]
-        if features.shape[0] != mm.num_feature_rows:
-            raise ValueError(
-                f"the images' spans have {mm.num_feature_rows} positions; the vision tower "
-                f"gives {features.shape[0]} features ({self.mm_cfg.tokens_per_image} per image)"
-            )
+        assert mm is not None and mm.features is not None
         # placeholder ids may lie outside the vocabulary (ids made from image hashes)
         ids = fb.input_ids.index_fill(0, mm.dst_index, 0)
         embeds = self.language_model.model.embed_tokens(ids)  # [T, hidden]
-        return embeds.index_copy(0, mm.dst_index, features[mm.src_index].to(embeds.dtype))
+        return embeds.index_copy(0, mm.dst_index, mm.features[mm.src_index].to(embeds.dtype))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

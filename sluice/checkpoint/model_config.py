@@ -19,6 +19,18 @@ SUPPORTED_ARCHITECTURES = (
     "LlavaForConditionalGeneration",
 )
 
+# What transformers' config classes default to, by model_type: a vision-language config.json
+# (LLaVA-1.5's, for one) saves only the fields of its `text_config` that differ from these.
+_LLAMA_SHAPE = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "rms_norm_eps": 1e-6}  # fmt: skip
+_TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_LLAMA_SHAPE, "intermediate_size": 11008, "max_position_embeddings": 2048},
+    "mistral": {**_LLAMA_SHAPE, "intermediate_size": 14336, "num_key_value_heads": 8,
+                "max_position_embeddings": 131072},
+    "qwen2": {**_LLAMA_SHAPE, "vocab_size": 151936, "intermediate_size": 22016,
+              "max_position_embeddings": 32768},
+}  # fmt: skip
+
 # Architectures whose q/k/v projections carry a bias unless config.json says otherwise.
 _BIASED_BY_DEFAULT = {"Qwen2ForCausalLM"}
 
@@ -64,7 +76,9 @@ class ModelConfig:
         multimodal = None
         if "text_config" in cfg:  # vision-language: the language model's config is nested
             multimodal = {k: v for k, v in cfg.items() if k != "text_config"}
-            cfg = {**cfg, **cfg["text_config"], "architectures": cfg["architectures"]}
+            text = cfg["text_config"] or {}
+            defaults = _TEXT_CONFIG_DEFAULTS.get(text.get("model_type", "llama"), {})
+            cfg = {**defaults, **cfg, **text, "architectures": cfg["architectures"]}
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         rope_theta, rope_scaling = _rope(cfg)

@@ -169,6 +169,69 @@ def test_rope_scaling_in_transformers4_layout(tmp_path):
     assert parsed.eos_token_ids == () and parsed.bos_token_id is None
 
 
+# config.json of llava-hf/llava-1.5-7b-hf as published: its text_config keeps only what differs
+# from LlamaConfig's defaults, its vision_config what differs from CLIPVisionConfig's
+LLAVA_15_CONFIG = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "ignore_index": -100,
+    "image_token_index": 32000,
+    "model_type": "llava",
+    "pad_token_id": 32001,
+    "projector_hidden_act": "gelu",
+    "text_config": {
+        "_name_or_path": "lmsys/vicuna-7b-v1.5",
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "rms_norm_eps": 1e-05,
+        "torch_dtype": "float16",
+        "vocab_size": 32064,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "vision_config": {
+        "hidden_size": 1024,
+        "image_size": 336,
+        "intermediate_size": 4096,
+        "model_type": "clip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "projection_dim": 768,
+        "vocab_size": 32000,
+    },
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "vocab_size": 32064,
+}
+
+
+@pytest.mark.parametrize("text_type", ["llama", "mistral", "qwen2", None])
+def test_a_sparse_text_config_reads_like_transformers(tmp_path, text_type):
+    """A nested text_config that leaves fields to the defaults (LLaVA-1.5's does) reads as
+    transformers reads it; None: no model_type, which LlavaConfig takes as llama."""
+    from transformers import AutoConfig
+
+    from sluice.checkpoint.vision import ImageSlots
+
+    config = json.loads(json.dumps(LLAVA_15_CONFIG))
+    if text_type is None:
+        del config["text_config"]["model_type"]
+    else:
+        config["text_config"]["model_type"] = text_type
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    parsed = ModelConfig.from_hf_dir(str(tmp_path))
+    text = AutoConfig.from_pretrained(str(tmp_path)).text_config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                  "max_position_embeddings"):  # fmt: skip
+        assert getattr(parsed, field) == getattr(text, field), field
+    assert parsed.head_dim == 128 and parsed.rope_theta == 10000.0
+    slots = ImageSlots.of(parsed)
+    assert slots is not None and slots.tokens_per_image == 576
+    assert slots.pixel_shape == (3, 336, 336) and slots.image_token_id == 32000
+
+
 def test_sharded_checkpoint_iterates_every_shard(tmp_path, smollm2_hf_dir):
     whole = make_tiny_llama(tmp_path / "whole", tokenizer_dir=smollm2_hf_dir)
     sharded = make_tiny_llama(tmp_path / "sharded", tokenizer_dir=smollm2_hf_dir)

@@ -7,7 +7,9 @@ import asyncio
 import base64
 import dataclasses
 import io
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -15,7 +17,10 @@ import pytest
 
 from sluice.checkpoint.model_config import ModelConfig
 from sluice.checkpoint.vision import ImageSlots
+from sluice.config import ServerArgs
+from sluice.launch import ServingProcesses
 from sluice.messages import ImageItem, SamplingParams, TokenizedGenerateReqInput, ToScheduler
+from sluice.tokenizer.generate_input import GenerateReqInput
 from sluice.tokenizer.images import MAX_IMAGE_ID, expand_images, image_ids
 from sluice.tokenizer.media import MediaManager, MediaPolicy
 from sluice.tokenizer.media.process import ProcessedImage
@@ -160,6 +165,64 @@ def test_processed_pixels_equal_transformers_and_are_cached(tiny_llava: str) -> 
         assert np.array_equal(got.pixel_values, expected)
     assert again[0] is first[1]  # the processed image came from the cache
     assert len(manager.processed_cache) == 2 and len(manager.cache) == 0
+
+
+class HeldExecutor(ThreadPoolExecutor):
+    """Runs each work item only once `release` is set; `started` tells that one is held."""
+
+    def __init__(self) -> None:
+        super().__init__(1, thread_name_prefix="held-media")
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        def held() -> Any:
+            self.started.set()
+            self.release.wait(60)
+            return fn(*args, **kwargs)
+
+        return super().submit(held)
+
+
+def test_abort_while_the_image_is_processed_ends_at_once(tiny_llava: str) -> None:
+    """A request whose image sits in the processor (held there by construction) ends with an
+    abort as soon as it is aborted, leaves nothing in any process, and the image serves the
+    next request once the processor is free."""
+    args = ServerArgs(
+        model_path=tiny_llava, max_total_tokens=2048, check_invariants=True,
+        no_embedding_model=True,
+    )  # fmt: skip
+    image = _data_uri(_png(11))
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+
+    async def go() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+        procs = ServingProcesses(args)
+        tm = await procs.__aenter__()
+        try:
+            assert tm.images is not None
+            executor = HeldExecutor()
+            tm.images.media._executor = executor  # the processor pool, replaced
+            req = GenerateReqInput(text="<image> hi", image_data=image, rid="held",
+                                   sampling_params=params)  # fmt: skip
+            gen = tm.generate_request(req)
+            first = asyncio.ensure_future(gen.__anext__())
+            assert await asyncio.to_thread(executor.started.wait, 30)
+            assert await tm.abort_request("held") == 1
+            aborted = await asyncio.wait_for(first, 5)  # not waiting for the processor
+            await gen.aclose()
+            assert not tm.rid_to_state and not executor.release.is_set()
+            executor.release.set()
+            again = GenerateReqInput(text="<image> hi", image_data=image, sampling_params=params)
+            served = [o async for o in tm.generate_request(again)]
+            return aborted, served, await tm.get_internal_state()
+        finally:
+            await procs.__aexit__(None, None, None)
+
+    aborted, served, state = asyncio.run(asyncio.wait_for(go(), 120))
+    assert aborted["meta_info"]["finish_reason"]["code"] == "request_aborted"
+    assert len(served) == 1 and len(served[0]["output_ids"]) == 4
+    assert state["num_running_reqs"] == state["num_waiting_reqs"] == 0, state
+    assert state["num_req_states"] == state["num_detokenizer_states"] == 0, state
+    assert state["kv_free"] + state["kv_cached"] == state["kv_total"], state
 
 
 # ---- chat parts and image_data ------------------------------------------------------------------

@@ -129,19 +129,25 @@ def load_model(
         skip = install_quantized(model, cfg, quant_ops()).checkpoint_names
         weights = ((name, t) for name, t in weights if name not in skip)
     model.load_weights(weights)
+    in_blocks = 0  # weights kept in GGUF blocks (buffers, not parameters)
     if quantization == "gguf":  # batches of many rows: a float copy beats the kernel
-        from sluice.model.quant import keep_dense_copies
+        from sluice.model.quant import QuantLinear, keep_dense_copies
 
         keep_dense_copies(model, dtype)
+        blocks = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        if cfg.tie_word_embeddings:  # a tied lm_head's blocks are the embedding's, counted
+            blocks = [m for m in blocks if m is not text_model.lm_head]
+        in_blocks = sum(m.in_features * m.out_features for m in blocks)
     model.eval()
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters()) + in_blocks
     if can_pack_linears(device, dtype):
         pack_linears(model)
     _use_kernels(model, device, dtype, cfg.head_dim)
+    blocks_note = f", {in_blocks / 1e6:.0f}M of them in GGUF blocks" if in_blocks else ""
     logger.info(
-        "loaded %s (%s, %.0fM parameters, %s on %s) in %.1f s",
-        cfg.model_name, cfg.architecture, num_params / 1e6, str(dtype).removeprefix("torch."),
-        device, time.perf_counter() - start,
+        "loaded %s (%s, %.0fM parameters%s, %s on %s) in %.1f s",
+        cfg.model_name, cfg.architecture, num_params / 1e6, blocks_note,
+        str(dtype).removeprefix("torch."), device, time.perf_counter() - start,
     )  # fmt: skip
     return model
 

@@ -19,6 +19,7 @@ terms, plus the dequantization's rounding); bfloat16 output adds its own roundin
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -197,16 +198,26 @@ def _prefill_logits(runner, ids: list[int]) -> torch.Tensor:
 
 
 def test_a_tiny_gguf_with_its_blocks_kept_gives_the_dequantized_models_logits(
-    tiny_llama_dir: str, tmp_path: Path, native_ops
+    tiny_llama_dir: str, tmp_path: Path, native_ops, caplog
 ) -> None:
+    import logging
+
     from sluice.model.runner import ModelRunner
 
     gguf_path, float_dir = _write_tiny_gguf(tiny_llama_dir, tmp_path)
     cfg = ModelConfig.from_hf_dir(float_dir, source_path=gguf_path)
     cpu = torch.device("cpu")
     assert resolve_quantization("auto", gguf_path, cpu, torch.float32) == "gguf"
-    quantized = ModelRunner(cfg, cpu, torch.float32, kv_size=64, quantization="gguf")
-    plain = ModelRunner(cfg, cpu, torch.float32, kv_size=64, quantization="none")
+    with caplog.at_level(logging.INFO, logger="sluice.model.runner"):
+        quantized = ModelRunner(cfg, cpu, torch.float32, kv_size=64, quantization="gguf")
+        plain = ModelRunner(cfg, cpu, torch.float32, kv_size=64, quantization="none")
+    # the load log counts the weights in blocks with the others: the same total either way
+    blocks = sum(m.in_features * m.out_features for m in quantized.model.modules()
+                 if isinstance(m, QuantLinear))  # fmt: skip
+    logs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded")]
+    total = re.search(r"(\d+)M parameters, float32", logs[1])
+    assert total is not None and int(total.group(1)) > blocks / 1e6 > 1
+    assert f"{total.group(1)}M parameters, {blocks / 1e6:.0f}M of them in GGUF blocks" in logs[0]
     layers = quantized.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
     assert not isinstance(layers[1].self_attn.qkv_proj, QuantLinear)  # Q4_0/Q4_0/Q8_0: float

@@ -55,8 +55,9 @@ class ServerArgs:
         "auto",
         "weights of a GGUF file: gguf keeps their Q8_0/Q4_0/Q4_1 blocks, computed by sluice's "
         "CPU kernels; none dequantizes them to --dtype; auto: gguf for a GGUF on the CPU when "
-        "the kernels build, else none",
-        choices=["auto", "gguf", "none"],
+        "the kernels build, else none. int8 / int4 quantize any checkpoint's linear layers at "
+        "load, per group of 32 values, into Q8_0 / Q4_1 blocks for the same kernels (CPU only)",
+        choices=["auto", "gguf", "none", "int8", "int4"],
     )  # fmt: skip
     device: str = _opt(
         "auto",

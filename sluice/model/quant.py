@@ -6,12 +6,16 @@ The weight is `qweight` [out_features, in_features / 32 * block_bytes] uint8: ev
 bytes, with whole rows permuted or concatenated at most (sluice.model.gguf_weights).
 
 `--quantization` (ServerArgs.quantization) chooses between these layers and float weights:
-`resolve_quantization` turns "auto" into "gguf" or "none" once, and logs why.
+`resolve_quantization` turns "auto" into "gguf" or "none" once, and logs why. "int8" and "int4"
+quantize a float checkpoint's linear layers at load (`quantize_linears`) into the same blocks,
+per group of 32 input values: Q8_0 (int8 with a scale) and Q4_1 (4 bits with a scale and a
+minimum), with gguf's own quantizer, so they run on the same kernels.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -20,7 +24,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4")
+LOAD_TYPES = {"int8": 8, "int4": 3}  # --quantization -> the block type quantized into at load
 
 # ggml type id -> (name, bytes of one 32-value block)
 BLOCK_TYPES = {8: ("Q8_0", 34), 2: ("Q4_0", 18), 3: ("Q4_1", 20)}
@@ -125,17 +130,56 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
     return total
 
 
+def quantize_linears(model: nn.Module, qtype: int, ops: Any) -> int:
+    """Replace the linear layers of `model`'s language model (attention, MLP, LM head; a vision
+    tower stays float) by QuantLinear modules holding their weight quantized into `qtype`
+    blocks; returns how many. A layer whose input width is not a multiple of 32 stays float."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    start = time.perf_counter()
+    text_model = getattr(model, "language_model", model)
+    linears = [(n, m) for n, m in text_model.named_modules() if isinstance(m, nn.Linear)]
+    kept = [n for n, m in linears if m.in_features % BLOCK_VALUES]
+    for name, module in linears:
+        if name in kept:
+            continue
+        weight = module.weight.detach().float().cpu().numpy()
+        blocks = torch.from_numpy(quantize(weight, GGMLQuantizationType(qtype)))
+        bias = None if module.bias is None else module.bias.detach().clone()
+        parent, _, leaf = name.rpartition(".")
+        new = QuantLinear(blocks, qtype, module.in_features, bias, ops)
+        setattr(text_model.get_submodule(parent) if parent else text_model, leaf, new)
+    done = len(linears) - len(kept)
+    logger.info(
+        "quantized %d linear layers into %s blocks (per group of %d input values) in %.1f s%s",
+        done, BLOCK_TYPES[qtype][0], BLOCK_VALUES, time.perf_counter() - start,
+        f"; kept float (width not a multiple of {BLOCK_VALUES}): {', '.join(kept)}" if kept else "",
+    )  # fmt: skip
+    return done
+
+
 def resolve_quantization(
     value: str, source_path: str, device: torch.device, dtype: torch.dtype
 ) -> str:
-    """Either "gguf" (keep a GGUF file's block weights, QuantLinear) or "none" (float weights in
-    `dtype`) for `--quantization value`; "auto" is "gguf" for a GGUF file on the CPU, in float32
-    or bfloat16, when the kernels build and the file holds a type they take; the choice and its
-    reason are logged. "gguf" that cannot be had raises."""
+    """ "gguf" (keep a GGUF file's block weights, QuantLinear), "int8" or "int4" (quantize the
+    float weights at load into blocks) or "none" (float weights in `dtype`) for `--quantization
+    value`; "auto" is "gguf" for a GGUF file on the CPU, in float32 or bfloat16, when the kernels
+    build and the file holds a type they take; the choice and its reason are logged. A choice
+    that cannot be had raises."""
     if value not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {value!r}; choose from {', '.join(QUANTIZATIONS)}")
     if value == "none":
         return "none"
+    if value in LOAD_TYPES:
+        reason = _why_not_kernels(device, dtype)
+        if reason is not None:
+            raise ValueError(f"--quantization {value} is not available: {reason}")
+        name = BLOCK_TYPES[LOAD_TYPES[value]][0]
+        logger.info(
+            "--quantization %s: linear weights quantized at load into %s blocks", value, name
+        )
+        return value
     reason = _why_not_gguf(source_path, device, dtype)
     if reason is None:
         logger.info("--quantization %s: gguf (block weights kept, computed by quant_ops)", value)
@@ -156,6 +200,14 @@ def _why_not_gguf(source_path: str, device: torch.device, dtype: torch.dtype) ->
     types = linear_types(source_path)
     if not types & set(BLOCK_TYPES):
         return f"the file's linear weights are {sorted(types)}, none of Q8_0, Q4_0, Q4_1"
+    return _why_not_kernels(device, dtype)
+
+
+def _why_not_kernels(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"the block kernels run on the CPU, not {device}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the block kernels take float32 or bfloat16, not {dtype}"
     from sluice.model.kernels import quant_ops
 
     if quant_ops() is None:

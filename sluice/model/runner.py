@@ -73,7 +73,8 @@ class ModelRunner:
         quantization: str = "none",
         image_cache_bytes: int = 0,
     ) -> None:
-        """`quantization`: "gguf" keeps a GGUF's block weights (sluice.model.quant), "none" not.
+        """`quantization`: "gguf" keeps a GGUF's block weights, "int8"/"int4" quantize the float
+        weights into blocks at load (sluice.model.quant), "none" neither.
         `image_cache_bytes`: room for image features kept by image hash (vision models)."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.model = load_model(cfg, device, dtype, quantization)
@@ -129,8 +130,13 @@ def load_model(
         skip = install_quantized(model, cfg, quant_ops()).checkpoint_names
         weights = ((name, t) for name, t in weights if name not in skip)
     model.load_weights(weights)
+    if quantization in ("int8", "int4"):
+        from sluice.model.kernels import quant_ops
+        from sluice.model.quant import LOAD_TYPES, quantize_linears
+
+        quantize_linears(model, LOAD_TYPES[quantization], quant_ops())
     in_blocks = 0  # weights kept in GGUF blocks (buffers, not parameters)
-    if quantization == "gguf":  # batches of many rows: a float copy beats the kernel
+    if quantization != "none":  # batches of many rows: a float copy beats the kernel
         from sluice.model.quant import QuantLinear, keep_dense_copies
 
         keep_dense_copies(model, dtype)
@@ -143,7 +149,7 @@ def load_model(
     if can_pack_linears(device, dtype):
         pack_linears(model)
     _use_kernels(model, device, dtype, cfg.head_dim)
-    blocks_note = f", {in_blocks / 1e6:.0f}M of them in GGUF blocks" if in_blocks else ""
+    blocks_note = f", {in_blocks / 1e6:.0f}M of them in blocks" if in_blocks else ""
     logger.info(
         "loaded %s (%s, %.0fM parameters%s, %s on %s) in %.1f s",
         cfg.model_name, cfg.architecture, num_params / 1e6, blocks_note,

@@ -217,7 +217,7 @@ def test_a_tiny_gguf_with_its_blocks_kept_gives_the_dequantized_models_logits(
     logs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded")]
     total = re.search(r"(\d+)M parameters, float32", logs[1])
     assert total is not None and int(total.group(1)) > blocks / 1e6 > 1
-    assert f"{total.group(1)}M parameters, {blocks / 1e6:.0f}M of them in GGUF blocks" in logs[0]
+    assert f"{total.group(1)}M parameters, {blocks / 1e6:.0f}M of them in blocks" in logs[0]
     layers = quantized.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
     assert not isinstance(layers[1].self_attn.qkv_proj, QuantLinear)  # Q4_0/Q4_0/Q8_0: float
@@ -234,6 +234,56 @@ def test_quantization_auto_means_none_off_gguf_and_gguf_refuses_it(tiny_llama_di
     assert resolve_quantization("none", tiny_llama_dir, cpu, torch.float32) == "none"
     with pytest.raises(ValueError, match="not a GGUF"):
         resolve_quantization("gguf", tiny_llama_dir, cpu, torch.float32)
+
+
+@pytest.mark.parametrize(("mode", "qtype"), [("int8", T.Q8_0), ("int4", T.Q4_1)])
+def test_int8_and_int4_quantize_a_float_checkpoint_at_load(
+    tiny_llama_dir: str, tmp_path: Path, native_ops, mode: str, qtype
+) -> None:
+    """Every linear layer holds exactly gguf's quantization of the float weight, and the model
+    gives the logits of the float model whose weights are those blocks dequantized."""
+    from safetensors.torch import load_file, save_file
+
+    from sluice.model.runner import ModelRunner
+
+    cfg = ModelConfig.from_hf_dir(tiny_llama_dir)
+    cpu = torch.device("cpu")
+    assert resolve_quantization(mode, tiny_llama_dir, cpu, torch.float32) == mode
+    quantized = ModelRunner(cfg, cpu, torch.float32, kv_size=64, quantization=mode)
+    # the reference: the checkpoint's weights rounded through gguf's quantizer, as floats
+    rounded_dir = tmp_path / "rounded"
+    shutil.copytree(tiny_llama_dir, rounded_dir)
+    tensors = load_file(str(rounded_dir / "model.safetensors"))
+    for name, w in tensors.items():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            raw = quantize(w.float().numpy(), qtype)
+            tensors[name] = torch.from_numpy(dequantize(raw, qtype).reshape(w.shape)).to(w.dtype)
+    save_file(tensors, str(rounded_dir / "model.safetensors"), metadata={"format": "pt"})
+    rounded = ModelRunner(ModelConfig.from_hf_dir(str(rounded_dir)), cpu, torch.float32, kv_size=64)
+    model = quantized.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    blocks = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert not linears and len(blocks) == 4 * cfg.num_hidden_layers + 1  # qkv, o, gate_up, down
+    assert all(m.qtype == int(qtype) for m in blocks)
+    layer0 = model.model.layers[0].mlp.down_proj
+    original = load_file(f"{tiny_llama_dir}/model.safetensors")
+    want = quantize(original["model.layers.0.mlp.down_proj.weight"].float().numpy(), qtype)
+    assert np.array_equal(layer0.qweight.numpy(), want)
+    ids = list(range(100, 120))
+    for rows in (ids[:4], ids):  # the kernel (few rows) and the float copy (many)
+        torch.testing.assert_close(
+            _prefill_logits(quantized, rows), _prefill_logits(rounded, rows), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_int8_and_int4_need_the_cpu_kernels_and_a_float_dtype(tiny_llama_dir: str) -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="--quantization int8 is not available: .* not cuda"):
+        resolve_quantization("int8", tiny_llama_dir, torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match="--quantization int4 is not available: .*float16"):
+        resolve_quantization("int4", tiny_llama_dir, cpu, torch.float16)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        resolve_quantization("int3", tiny_llama_dir, cpu, torch.float32)
 
 
 # ----------------------------------------------------------------------------- SmolLM2 Q4_1

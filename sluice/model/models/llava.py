@@ -14,7 +14,7 @@ transformers 4.52+ (`model.vision_tower.*`, `model.language_model.*`, `lm_head.*
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,23 +98,11 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.forward_output(fb, kv).logits
 
     def forward_output(self, fb: ForwardBatch, kv: KVCache) -> ForwardOutput:
-        embeds = None if fb.mm_inputs is None else self._embed_with_images(fb)
+        embeds = None
+        if fb.mm_inputs is not None:
+            embed_tokens = self.language_model.model.embed_tokens
+            embeds = embed_with_images(embed_tokens, fb, self.image_features)
         return self.language_model.forward_output(fb, kv, embeds)
-
-    def _embed_with_images(self, fb: ForwardBatch) -> torch.Tensor:
-        """Input embeddings [T, hidden]: the tokens', with image features in their rows."""
-        mm = fb.mm_inputs
-        assert mm is not None
-        features = self.image_features(mm.pixel_values).flatten(0, 1)  # [I * tokens, hidden]
-        if features.shape[0] != mm.num_feature_rows:
-            raise ValueError(
-                f"the images' spans have {mm.num_feature_rows} positions; the vision tower "
-                f"gives {features.shape[0]} features ({self.mm_cfg.tokens_per_image} per image)"
-            )
-        # placeholder ids may lie outside the vocabulary (ids made from image hashes)
-        ids = fb.input_ids.index_fill(0, mm.dst_index, 0)
-        embeds = self.language_model.model.embed_tokens(ids)  # [T, hidden]
-        return embeds.index_copy(0, mm.dst_index, features[mm.src_index].to(embeds.dtype))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -148,6 +136,29 @@ class LlavaForConditionalGeneration(nn.Module):
         if name.startswith(prefix):
             return int(name.removeprefix(prefix).split(".", 1)[0]) >= self.vision_tower.num_layers
         return False
+
+
+def embed_with_images(
+    embed_tokens: nn.Module,
+    fb: ForwardBatch,
+    image_features: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Input embeddings [T, hidden]: the tokens', with the images' features (`image_features`:
+    pixels [I, C, H, W] -> [I, positions per image, hidden]) in their rows."""
+    mm = fb.mm_inputs
+    assert mm is not None
+    features = image_features(mm.pixel_values)
+    per_image = features.shape[1]
+    features = features.flatten(0, 1)  # [I * positions, hidden]
+    if features.shape[0] != mm.num_feature_rows:
+        raise ValueError(
+            f"the images' spans have {mm.num_feature_rows} positions; the vision tower "
+            f"gives {features.shape[0]} features ({per_image} per image)"
+        )
+    # placeholder ids may lie outside the vocabulary (ids made from image hashes)
+    ids = fb.input_ids.index_fill(0, mm.dst_index, 0)
+    embeds = embed_tokens(ids)  # [T, hidden]
+    return embeds.index_copy(0, mm.dst_index, features[mm.src_index].to(embeds.dtype))
 
 
 def module_name(checkpoint_name: str) -> str:

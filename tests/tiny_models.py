@@ -167,11 +167,13 @@ IDEFICS3_TOKENS = [
 def make_tiny_idefics3(
     dir: str | Path, tokenizer_dir: str | None = None, arch: str = "idefics3"
 ) -> str:
-    """An Idefics3ForConditionalGeneration (or, `arch="smolvlm"`, a SmolVLMForConditionalGeneration:
-    the same modules and names) saved into `dir` with an Idefics3Processor: a 2-layer SigLIP-style
-    tower on 32x32 tiles in 4x4 patches, pixel shuffle by 2 (16 image tokens per tile), a 2-layer
-    Llama. Images are split into at most 2x2 tiles of 32x32 plus the global image. The tokenizer
-    gains the image tokens; the tower's biases and norms are perturbed so none is a no-op."""
+    """An Idefics3ForConditionalGeneration (or, `arch="smolvlm"`, a
+    SmolVLMForConditionalGeneration: the same modules and names, with SmolVLM's image processor)
+    saved into `dir` with an Idefics3Processor (SmolVLMProcessor needs num2words; the prompt it
+    builds for images is the same): a 2-layer SigLIP-style tower on 32x32 tiles in 4x4 patches,
+    pixel shuffle by 2 (16 image tokens per tile), a 2-layer Llama. Images are split into at
+    most 2x2 tiles of 32x32 plus the global image. The tokenizer gains the image tokens; the
+    tower's biases and norms are perturbed so none is a no-op."""
     from transformers import (
         AutoTokenizer,
         GenerationConfig,
@@ -182,12 +184,15 @@ def make_tiny_idefics3(
         LlamaConfig,
         SmolVLMConfig,
         SmolVLMForConditionalGeneration,
+        SmolVLMImageProcessorPil,
     )
 
-    config_cls, model_cls = {
-        "idefics3": (Idefics3Config, Idefics3ForConditionalGeneration),
-        "smolvlm": (SmolVLMConfig, SmolVLMForConditionalGeneration),
-    }[arch]
+    config_cls, model_cls, image_processor_cls = {
+        "idefics3": (
+            Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
+        ),
+        "smolvlm": (SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil),
+    }[arch]  # fmt: skip
     out = Path(dir)
     out.mkdir(parents=True, exist_ok=True)
     copy_tokenizer(tokenizer_dir or prepare_hf_dir(default_model_path()), out)
@@ -209,7 +214,7 @@ def make_tiny_idefics3(
     GenerationConfig(
         bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id
     ).save_pretrained(str(out))
-    image_processor = Idefics3ImageProcessorPil(
+    image_processor = image_processor_cls(
         size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
     )
     processor = Idefics3Processor(

@@ -24,9 +24,11 @@ from tests.tiny_models import make_tiny_idefics3
 SIZES = {"wide": (20, 64), "tall": (64, 20), "square": (40, 48)}  # 1x2, 2x1, 2x2 tiles
 
 
-@pytest.fixture(scope="module")
-def tiny_idefics3(tmp_path_factory, smollm2_hf_dir: str) -> str:
-    return make_tiny_idefics3(tmp_path_factory.mktemp("tiny_idefics3"), smollm2_hf_dir)
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
+def tiny_idefics3(request, tmp_path_factory, smollm2_hf_dir: str) -> str:
+    """Each architecture's checkpoint, with its own image processor class."""
+    out = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    return make_tiny_idefics3(out, smollm2_hf_dir, arch=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -110,12 +110,13 @@ class ModelInfo(msgspec.Struct, omit_defaults=True):
 
 
 class ImageItem(msgspec.Struct):
-    """One processed image of a prompt: its pixels, and the positions [offset, offset + length)
-    of the prompt it fills (whose ids, made from `hash`, lie outside the vocabulary; see
-    sluice/tokenizer/images.py). `pixel_values` are the processor's output as little-endian
-    bytes in C order, of `shape` ([C, H, W]) and `dtype` (a numpy name)."""
+    """One processed image of a prompt (one tile of it, for a model that splits images into
+    tiles): its pixels, and the positions [offset, offset + length) of the prompt it fills
+    (whose ids, made from `hash`, lie outside the vocabulary; see sluice/tokenizer/images.py).
+    `pixel_values` are the processor's output as little-endian bytes in C order, of `shape`
+    ([C, H, W]) and `dtype` (a numpy name)."""
 
-    hash: str  # sha256 of the image's bytes, hex
+    hash: str  # sha256 of the image's bytes (of a tile: of the image's hash and index), hex
     offset: int
     length: int
     pixel_values: bytes

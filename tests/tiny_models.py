@@ -155,3 +155,72 @@ def make_tiny_llava(
     )
     processor.save_pretrained(str(out))
     return str(out)
+
+
+# what an Idefics3 / SmolVLM tokenizer adds for images: the processor's markers and tile tags
+IDEFICS3_TOKENS = [
+    "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+]  # fmt: skip
+
+
+def make_tiny_idefics3(
+    dir: str | Path, tokenizer_dir: str | None = None, arch: str = "idefics3"
+) -> str:
+    """An Idefics3ForConditionalGeneration (or, `arch="smolvlm"`, a
+    SmolVLMForConditionalGeneration: the same modules and names, with SmolVLM's image processor)
+    saved into `dir` with an Idefics3Processor (SmolVLMProcessor needs num2words; the prompt it
+    builds for images is the same): a 2-layer SigLIP-style tower on 32x32 tiles in 4x4 patches,
+    pixel shuffle by 2 (16 image tokens per tile), a 2-layer Llama. Images are split into at
+    most 2x2 tiles of 32x32 plus the global image. The tokenizer gains the image tokens; the
+    tower's biases and norms are perturbed so none is a no-op."""
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        LlamaConfig,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+        SmolVLMImageProcessorPil,
+    )
+
+    config_cls, model_cls, image_processor_cls = {
+        "idefics3": (
+            Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
+        ),
+        "smolvlm": (SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil),
+    }[arch]  # fmt: skip
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(tokenizer_dir or prepare_hf_dir(default_model_path()), out)
+    image_token_id = add_special_tokens(out, IDEFICS3_TOKENS)["<image>"]
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 4}  # fmt: skip
+    text = LlamaConfig(**{**_TINY_SHAPE, "vocab_size": 49152 + 64, "rope_theta": 10000.0})
+    config = config_cls(
+        vision_config=vision, text_config=text.to_dict(), image_token_id=image_token_id,
+        scale_factor=2,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "vision_model" in name and ("bias" in name or "norm" in name):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id
+    ).save_pretrained(str(out))
+    image_processor = image_processor_cls(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=AutoTokenizer.from_pretrained(str(out)),
+        image_seq_len=(32 // 4) ** 2 // 2**2,
+    )
+    processor.save_pretrained(str(out))
+    return str(out)

@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "MistralForCausalLM",
     "LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
 )
 
 # What transformers' config classes default to, by model_type: a vision-language config.json
@@ -30,6 +32,10 @@ _TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {**_LLAMA_SHAPE, "vocab_size": 151936, "intermediate_size": 22016,
               "max_position_embeddings": 32768},
 }  # fmt: skip
+
+# Vision-language architectures whose lm_head is tied by the top-level `tie_word_embeddings`
+# (transformers reads that one, not text_config's).
+_TIED_AT_TOP_LEVEL = {"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"}
 
 # Architectures whose q/k/v projections carry a bias unless config.json says otherwise.
 _BIASED_BY_DEFAULT = {"Qwen2ForCausalLM"}
@@ -74,6 +80,7 @@ class ModelConfig:
         gen = _read_json(root / "generation_config.json") or {}
         arch = _architecture(cfg)
         multimodal = None
+        tied = bool(cfg.get("tie_word_embeddings", False))
         if "text_config" in cfg:  # vision-language: the language model's config is nested
             multimodal = {k: v for k, v in cfg.items() if k != "text_config"}
             text = cfg["text_config"] or {}
@@ -100,7 +107,9 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=(
+                tied if arch in _TIED_AT_TOP_LEVEL else bool(cfg.get("tie_word_embeddings", False))
+            ),
             attention_bias=bool(cfg.get("attention_bias", arch in _BIASED_BY_DEFAULT)),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=None if bos is None else int(bos),

@@ -18,6 +18,10 @@ from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.kv_cache import KVCache
 from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
+from sluice.model.models.idefics3 import (
+    Idefics3ForConditionalGeneration,
+    SmolVLMForConditionalGeneration,
+)
 from sluice.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from sluice.model.models.llava import LlavaForConditionalGeneration
 from sluice.model.multimodal import ImageFeatureCache
@@ -30,6 +34,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

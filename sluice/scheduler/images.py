@@ -2,10 +2,11 @@
 the forward uses, checked first, so a malformed image ends its own request with a 400 and never
 reaches (and fails) a batch.
 
-What is checked: the model has a vision part; each image's pixels have the shape the vision
-tower takes and as many bytes as that shape says; spans take `tokens_per_image` positions each,
-in order, without overlap, inside the prompt; and an id lies outside the vocabulary exactly at
-the image positions (the invariant the model, the penalties and the prompt logprobs rely on).
+What is checked: the model has a vision part; each image's (tile's: an item is one tile)
+pixels have the shape the vision tower takes and as many bytes as that shape says; spans take
+`tokens_per_tile` positions each, in order, without overlap, inside the prompt; and an id lies
+outside the vocabulary exactly at the image positions (the invariant the model, the penalties
+and the prompt logprobs rely on).
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ def image_spans(
     spans: list[ImageSpan] = []
     end = 0  # first position after the previous image
     for k, item in enumerate(items):
-        if item.length != slots.tokens_per_image:
+        if item.length != slots.tokens_per_tile:
             raise ValueError(
                 f"image {k} takes {item.length} positions; this model's images take "
-                f"{slots.tokens_per_image}"
+                f"{slots.tokens_per_tile}"
             )
         if item.offset < end or item.offset + item.length > len(input_ids):
             raise ValueError(f"image {k}'s positions overlap another image or pass the prompt")
@@ -52,10 +53,10 @@ def image_spans(
 
 def _pixels(item: ImageItem, k: int, slots: ImageSlots) -> torch.Tensor:
     shape = tuple(item.shape)
-    if shape != slots.pixel_shape or item.dtype != "float32":
+    if shape != slots.tile_shape or item.dtype != "float32":
         raise ValueError(
             f"image {k} has pixels of shape {list(shape)} ({item.dtype}); this model takes "
-            f"{list(slots.pixel_shape)} (float32)"
+            f"{list(slots.tile_shape)} (float32)"
         )
     if len(item.pixel_values) != 4 * math.prod(shape):
         raise ValueError(f"image {k} has {len(item.pixel_values)} bytes of pixels for {shape}")

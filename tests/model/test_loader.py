@@ -228,8 +228,8 @@ def test_a_sparse_text_config_reads_like_transformers(tmp_path, text_type):
         assert getattr(parsed, field) == getattr(text, field), field
     assert parsed.head_dim == 128 and parsed.rope_theta == 10000.0
     slots = ImageSlots.of(parsed)
-    assert slots is not None and slots.tokens_per_image == 576
-    assert slots.pixel_shape == (3, 336, 336) and slots.image_token_id == 32000
+    assert slots is not None and slots.tokens_per_tile == 576 and slots.tiling == "whole"
+    assert slots.tile_shape == (3, 336, 336) and slots.image_token_id == 32000
 
 
 def test_sharded_checkpoint_iterates_every_shard(tmp_path, smollm2_hf_dir):

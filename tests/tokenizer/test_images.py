@@ -29,7 +29,7 @@ from sluice.utils import ipc
 from tests.tiny_models import make_tiny_llava
 
 VOCAB = 1000
-SLOTS = ImageSlots(image_token_id=999, tokens_per_image=4, pixel_shape=(3, 2, 2))
+SLOTS = ImageSlots(image_token_id=999, tokens_per_tile=4, tile_shape=(3, 2, 2))
 HASH_A, HASH_B = "ab" * 32, "cd" * 32
 
 
@@ -128,10 +128,10 @@ def test_slots_agree_with_the_model_and_its_processor(tiny_llava: str) -> None:
     cfg = ModelConfig.from_hf_dir(tiny_llava)
     slots = ImageSlots.of(cfg)
     assert slots is not None
-    assert slots.tokens_per_image == LlavaVisionConfig.from_dict(cfg.multimodal).tokens_per_image
+    assert slots.tokens_per_tile == LlavaVisionConfig.from_dict(cfg.multimodal).tokens_per_image
     processor = AutoProcessor.from_pretrained(tiny_llava)
     ids = processor(text="<image>", images=[_image(_png(0))])["input_ids"][0]
-    assert list(ids).count(slots.image_token_id) == slots.tokens_per_image == 16
+    assert list(ids).count(slots.image_token_id) == slots.tokens_per_tile == 16
     assert ImageSlots.of(dataclasses.replace(cfg, multimodal=None)) is None
 
 

@@ -98,18 +98,11 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.forward_output(fb, kv).logits
 
     def forward_output(self, fb: ForwardBatch, kv: KVCache) -> ForwardOutput:
-        embeds = None if fb.mm_inputs is None else self._embed_with_images(fb)
+        embeds = None
+        if fb.mm_inputs is not None:
+            embed_tokens = self.language_model.model.embed_tokens
+            embeds = embed_with_images(embed_tokens, fb)
         return self.language_model.forward_output(fb, kv, embeds)
-
-    def _embed_with_images(self, fb: ForwardBatch) -> torch.Tensor:
-        """Input embeddings [T, hidden]: the tokens', with image features in their rows (the
-        runner fills `mm_inputs.features` from `image_features` and its cache)."""
-        mm = fb.mm_inputs
-        assert mm is not None and mm.features is not None
-        # placeholder ids may lie outside the vocabulary (ids made from image hashes)
-        ids = fb.input_ids.index_fill(0, mm.dst_index, 0)
-        embeds = self.language_model.model.embed_tokens(ids)  # [T, hidden]
-        return embeds.index_copy(0, mm.dst_index, mm.features[mm.src_index].to(embeds.dtype))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -143,6 +136,17 @@ class LlavaForConditionalGeneration(nn.Module):
         if name.startswith(prefix):
             return int(name.removeprefix(prefix).split(".", 1)[0]) >= self.vision_tower.num_layers
         return False
+
+
+def embed_with_images(embed_tokens: nn.Module, fb: ForwardBatch) -> torch.Tensor:
+    """Input embeddings [T, hidden]: the tokens', with the images' features in their rows (the
+    runner fills `mm_inputs.features` from the model's `image_features` and its cache)."""
+    mm = fb.mm_inputs
+    assert mm is not None and mm.features is not None
+    # placeholder ids may lie outside the vocabulary (ids made from image hashes)
+    ids = fb.input_ids.index_fill(0, mm.dst_index, 0)
+    embeds = embed_tokens(ids)  # [T, hidden]
+    return embeds.index_copy(0, mm.dst_index, mm.features[mm.src_index].to(embeds.dtype))
 
 
 def module_name(checkpoint_name: str) -> str:

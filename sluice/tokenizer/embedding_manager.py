@@ -91,8 +91,14 @@ class EncoderSpec:
 def plan_encoders(args: ServerArgs) -> list[EncoderSpec]:
     """The encoder models `args` asks for, each in its own process: the main model first when
     `--model-path` is an encoder (then no default embedding model is added), then the extra
-    ones. ValueError for an extra path that is not an encoder."""
+    ones. ValueError for an extra path that is not an encoder, and for a --quantization other
+    than auto/none on an encoder main model (extra encoders always run in --dtype)."""
     main_is_encoder = is_encoder_model(args.model_path)
+    if main_is_encoder and args.quantization not in ("auto", "none"):
+        raise ValueError(
+            f"--quantization {args.quantization} applies to generative models; "
+            f"{args.model_path} is an encoder (embedding or rerank) model, served in --dtype"
+        )
     specs = [_spec("encoder", args)] if main_is_encoder else []
     embedding = (
         None if main_is_encoder and args.embedding_model_path == "auto" else _embedding_path(args)

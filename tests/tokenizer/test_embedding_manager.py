@@ -342,3 +342,15 @@ def test_refusals_are_counted() -> None:
         assert aborts(manager) == {}
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "int8", "int4"])
+def test_quantization_of_an_encoder_main_model_is_refused(quantization: str) -> None:
+    from sluice.checkpoint.encoder_config import default_embedding_model_path
+    from sluice.config import ServerArgs
+    from sluice.tokenizer.embedding_manager import plan_encoders
+
+    path = default_embedding_model_path()
+    with pytest.raises(ValueError, match=f"--quantization {quantization} applies to generative"):
+        plan_encoders(ServerArgs(model_path=path, quantization=quantization))
+    assert len(plan_encoders(ServerArgs(model_path=path, quantization="none"))) == 1

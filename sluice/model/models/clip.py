@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,7 @@ class CLIPVisionConfig:
     """A checkpoint's `vision_config`; the defaults are those of LLaVA-1.5's CLIP ViT-L/14-336,
     which its config.json leaves out."""
 
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("clip_vision_model",)  # the first: the default
     hidden_size: int = 1024
     intermediate_size: int = 4096
     num_hidden_layers: int = 24
@@ -57,11 +58,11 @@ class CLIPVisionConfig:
     layer_norm_eps: float = 1e-5
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CLIPVisionConfig:
-        model_type = d.get("model_type", "clip_vision_model")
-        if model_type != "clip_vision_model":
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        model_type = d.get("model_type", cls.MODEL_TYPES[0])
+        if model_type not in cls.MODEL_TYPES:
             raise ValueError(
-                f"unsupported vision tower {model_type!r}; supported: clip_vision_model"
+                f"unsupported vision tower {model_type!r}; supported: {', '.join(cls.MODEL_TYPES)}"
             )
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -88,17 +89,21 @@ class CLIPVisionEmbeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # pixel_values: [I, C, H, W] -> [I, 1 + patches, hidden] (the class token first)
-        num_images, _, height, width = pixel_values.shape
-        if height != self.image_size or width != self.image_size:
-            raise ValueError(
-                f"image of {height}x{width} pixels; the vision tower takes "
-                f"{self.image_size}x{self.image_size}"
-            )
-        weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixel_values.to(weight.dtype))  # [I, hidden, gh, gw]
-        patches = patches.flatten(2).transpose(1, 2)  # [I, patches, hidden]
-        cls = self.class_embedding.expand(num_images, 1, -1)
+        patches = embed_patches(self.patch_embedding, pixel_values, self.image_size)
+        cls = self.class_embedding.expand(pixel_values.shape[0], 1, -1)
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
+
+
+def embed_patches(conv: nn.Conv2d, pixel_values: torch.Tensor, image_size: int) -> torch.Tensor:
+    """The patch embeddings [I, patches, hidden] of square images [I, C, image_size,
+    image_size] (a ValueError for another size), row-major over the patch grid."""
+    _, _, height, width = pixel_values.shape
+    if height != image_size or width != image_size:
+        raise ValueError(
+            f"image of {height}x{width} pixels; the vision tower takes {image_size}x{image_size}"
+        )
+    patches = conv(pixel_values.to(conv.weight.dtype))  # [I, hidden, gh, gw]
+    return patches.flatten(2).transpose(1, 2)
 
 
 class CLIPAttention(nn.Module):

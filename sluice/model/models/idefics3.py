@@ -20,29 +20,24 @@ have the same layout and modules as Idefics3's.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from sluice.checkpoint.model_config import ModelConfig
-from sluice.model.forward_batch import ForwardBatch, ForwardOutput
-from sluice.model.kv_cache import KVCache
-from sluice.model.models.clip import CLIPEncoder, CLIPVisionConfig
-from sluice.model.models.llama import LlamaForCausalLM, _copy
-from sluice.model.models.llava import embed_with_images
-
-VISION_MODEL_TYPES = ("idefics3_vision", "smolvlm_vision")
+from sluice.model.models.clip import CLIPEncoder, CLIPVisionConfig, embed_patches
+from sluice.model.models.llama import LlamaForCausalLM
+from sluice.model.models.vision_language import VisionLanguageModel
 
 
 @dataclass(frozen=True)
-class Idefics3VisionConfig:
+class Idefics3VisionConfig(CLIPVisionConfig):
     """A checkpoint's `vision_config`; the defaults are transformers' (which config.json may
-    leave out)."""
+    leave out). Its encoder layers are CLIP's (pre-norm attention and MLP, the same names)."""
 
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("idefics3_vision", "smolvlm_vision")
     hidden_size: int = 1152
     intermediate_size: int = 3072
     num_hidden_layers: int = 12
@@ -53,26 +48,9 @@ class Idefics3VisionConfig:
     hidden_act: str = "gelu_pytorch_tanh"
     layer_norm_eps: float = 1e-6
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Idefics3VisionConfig:
-        model_type = d.get("model_type", "idefics3_vision")
-        if model_type not in VISION_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported vision tower {model_type!r}; supported: {', '.join(VISION_MODEL_TYPES)}"
-            )
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in names})
-
     @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
-
-    def encoder_config(self) -> CLIPVisionConfig:
-        """The encoder layers are CLIP's (pre-norm attention and MLP, the same names)."""
-        fields = CLIPVisionConfig.__dataclass_fields__
-        return CLIPVisionConfig(
-            **{k: v for k, v in dataclasses.asdict(self).items() if k in fields}
-        )
 
 
 @dataclass(frozen=True)
@@ -126,16 +104,8 @@ class Idefics3VisionEmbeddings(nn.Module):
         self.position_embedding = nn.Embedding(vc.patches_per_side**2, vc.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        # pixel_values: [I, C, H, W] -> [I, patches, hidden]
-        _, _, height, width = pixel_values.shape
-        if height != self.image_size or width != self.image_size:
-            raise ValueError(
-                f"tile of {height}x{width} pixels; the vision tower takes "
-                f"{self.image_size}x{self.image_size}"
-            )
-        weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixel_values.to(weight.dtype))  # [I, hidden, gh, gw]
-        patches = patches.flatten(2).transpose(1, 2)  # [I, patches, hidden]
+        # pixel_values: [I, C, H, W] (tiles) -> [I, patches, hidden]
+        patches = embed_patches(self.patch_embedding, pixel_values, self.image_size)
         position_ids = tile_position_ids(self.patches_per_side).to(patches.device)
         return patches + self.position_embedding(position_ids)
 
@@ -144,7 +114,7 @@ class Idefics3VisionTransformer(nn.Module):
     def __init__(self, vc: Idefics3VisionConfig) -> None:
         super().__init__()
         self.embeddings = Idefics3VisionEmbeddings(vc)
-        self.encoder = CLIPEncoder(vc.encoder_config(), vc.num_hidden_layers)
+        self.encoder = CLIPEncoder(vc, vc.num_hidden_layers)
         self.post_layernorm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -188,7 +158,9 @@ class Idefics3Connector(nn.Module):
         return out.view(num_tiles, num_tokens, -1)
 
 
-class Idefics3ForConditionalGeneration(nn.Module):
+class Idefics3ForConditionalGeneration(VisionLanguageModel):
+    family = "Idefics3"
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.multimodal is None:
@@ -203,41 +175,8 @@ class Idefics3ForConditionalGeneration(nn.Module):
         # pixel_values: [I, C, H, W] (tiles) -> [I, tokens_per_tile, text_hidden]
         return self.connector(self.vision_model(pixel_values))
 
-    def forward(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Returns logits [N, vocab] for the rows in `fb.logits_index` only."""
-        return self.forward_output(fb, kv).logits
-
-    def forward_output(self, fb: ForwardBatch, kv: KVCache) -> ForwardOutput:
-        embeds = None
-        if fb.mm_inputs is not None:
-            embed_tokens = self.language_model.model.embed_tokens
-            embeds = embed_with_images(embed_tokens, fb)
-        return self.language_model.forward_output(fb, kv, embeds)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The vision tensors are copied here, the language model's handed to its own loader,
-        in one pass over the checkpoint."""
-        params = {n: p for n, p in self.named_parameters() if not n.startswith("language_model.")}
-        loaded: set[str] = set()
-
-        def language_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for checkpoint_name, tensor in weights:
-                name = module_name(checkpoint_name)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                elif name in params:
-                    _copy(params[name], tensor, checkpoint_name)
-                    loaded.add(name)
-                elif not name.endswith(".position_ids"):
-                    raise KeyError(
-                        f"checkpoint tensor {checkpoint_name!r} has no place in Idefics3"
-                    )
-
-        self.language_model.load_weights(language_weights())
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    def module_name(self, checkpoint_name: str) -> str:
+        return module_name(checkpoint_name)
 
 
 class SmolVLMForConditionalGeneration(Idefics3ForConditionalGeneration):

@@ -14,7 +14,6 @@ transformers 4.52+ (`model.vision_tower.*`, `model.language_model.*`, `lm_head.*
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +21,9 @@ import torch
 from torch import nn
 
 from sluice.checkpoint.model_config import ModelConfig
-from sluice.model.forward_batch import ForwardBatch, ForwardOutput
-from sluice.model.kv_cache import KVCache
 from sluice.model.models.clip import CLIPVisionConfig, CLIPVisionTower, activation
-from sluice.model.models.llama import LlamaForCausalLM, _copy
+from sluice.model.models.llama import LlamaForCausalLM
+from sluice.model.models.vision_language import VisionLanguageModel
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,9 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
+    family = "LLaVA"
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.multimodal is None:
@@ -93,60 +93,18 @@ class LlavaForConditionalGeneration(nn.Module):
         num_images, num_tokens, width = x.shape
         return self.multi_modal_projector(x.reshape(-1, width)).view(num_images, num_tokens, -1)
 
-    def forward(self, fb: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Returns logits [N, vocab] for the rows in `fb.logits_index` only."""
-        return self.forward_output(fb, kv).logits
+    def module_name(self, checkpoint_name: str) -> str:
+        return module_name(checkpoint_name)
 
-    def forward_output(self, fb: ForwardBatch, kv: KVCache) -> ForwardOutput:
-        embeds = None
-        if fb.mm_inputs is not None:
-            embed_tokens = self.language_model.model.embed_tokens
-            embeds = embed_with_images(embed_tokens, fb)
-        return self.language_model.forward_output(fb, kv, embeds)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The vision tensors are copied here, the language model's handed to its own loader,
-        in one pass over the checkpoint (which streams shard by shard)."""
-        params = {n: p for n, p in self.named_parameters() if not n.startswith("language_model.")}
-        loaded: set[str] = set()
-
-        def language_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for checkpoint_name, tensor in weights:
-                name = module_name(checkpoint_name)
-                if name.startswith("language_model."):
-                    yield name.removeprefix("language_model."), tensor
-                elif name in params:
-                    _copy(params[name], tensor, checkpoint_name)
-                    loaded.add(name)
-                elif not self._is_unused(name):
-                    raise KeyError(f"checkpoint tensor {checkpoint_name!r} has no place in LLaVA")
-
-        self.language_model.load_weights(language_weights())
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-    def _is_unused(self, name: str) -> bool:
-        """Tensors of the tower that nothing reads: CLIP's pooled-output norm, the layers after
-        the deepest feature layer, the position-id buffer some checkpoints store."""
-        if name.startswith("vision_tower.post_layernorm.") or name.endswith(".position_ids"):
+    def is_unused(self, name: str) -> bool:
+        """Also CLIP's pooled-output norm and the tower's layers after the deepest feature
+        layer, which nothing reads."""
+        if name.startswith("vision_tower.post_layernorm.") or super().is_unused(name):
             return True
         prefix = "vision_tower.encoder.layers."
         if name.startswith(prefix):
             return int(name.removeprefix(prefix).split(".", 1)[0]) >= self.vision_tower.num_layers
         return False
-
-
-def embed_with_images(embed_tokens: nn.Module, fb: ForwardBatch) -> torch.Tensor:
-    """Input embeddings [T, hidden]: the tokens', with the images' features in their rows (the
-    runner fills `mm_inputs.features` from the model's `image_features` and its cache)."""
-    mm = fb.mm_inputs
-    assert mm is not None and mm.features is not None
-    # placeholder ids may lie outside the vocabulary (ids made from image hashes)
-    ids = fb.input_ids.index_fill(0, mm.dst_index, 0)
-    embeds = embed_tokens(ids)  # [T, hidden]
-    return embeds.index_copy(0, mm.dst_index, mm.features[mm.src_index].to(embeds.dtype))
 
 
 def module_name(checkpoint_name: str) -> str:

@@ -202,8 +202,9 @@ def _text_content(content: Any, i: int, image_token: str | None) -> str | None:
             texts.append(image_token)
             continue
         if kind != "text" or not isinstance(part.get("text"), str):
+            takes = "text parts only" if image_token is None else "text and image_url parts"
             raise RequestError(
-                f"content part of type {kind!r} is not supported by this text-only model",
+                f"content part of type {kind!r} is not supported: this model takes {takes}",
                 param=param,
             )
         texts.append(part["text"])

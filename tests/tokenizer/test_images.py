@@ -248,6 +248,10 @@ def test_chat_image_parts_render_as_the_image_token_in_place() -> None:
     with pytest.raises(RequestError) as info:
         chat.normalize_messages(messages, None)
     assert "accepts text only" in info.value.message and info.value.status_code == 400
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
+    for image_token, takes in (("<image>", "text and image_url parts"), (None, "text parts only")):
+        with pytest.raises(RequestError, match=f"'input_audio' is not supported: .* {takes}"):
+            chat.normalize_messages(audio, image_token)
     with pytest.raises(ValueError, match="image_url"):
         ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}]).template_dict()
 

@@ -30,7 +30,7 @@ _TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {**_LLAMA_SHAPE, "intermediate_size": 14336, "num_key_value_heads": 8,
                 "max_position_embeddings": 131072},
     "qwen2": {**_LLAMA_SHAPE, "vocab_size": 151936, "intermediate_size": 22016,
-              "max_position_embeddings": 32768},
+              "max_position_embeddings": 32768, "attention_bias": True},
 }  # fmt: skip
 
 # Vision-language architectures whose lm_head is tied by the top-level `tie_word_embeddings`
@@ -84,7 +84,13 @@ class ModelConfig:
         if "text_config" in cfg:  # vision-language: the language model's config is nested
             multimodal = {k: v for k, v in cfg.items() if k != "text_config"}
             text = cfg["text_config"] or {}
-            defaults = _TEXT_CONFIG_DEFAULTS.get(text.get("model_type", "llama"), {})
+            text_type = text.get("model_type", "llama")
+            if text_type not in _TEXT_CONFIG_DEFAULTS:
+                raise ValueError(
+                    f"unsupported language model in {arch}: text_config.model_type {text_type!r}; "
+                    f"sluice runs {', '.join(_TEXT_CONFIG_DEFAULTS)}"
+                )
+            defaults = _TEXT_CONFIG_DEFAULTS[text_type]
             cfg = {**defaults, **cfg, **text, "architectures": cfg["architectures"]}
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])

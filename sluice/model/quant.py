@@ -193,14 +193,13 @@ def resolve_quantization(
 def _why_not_gguf(source_path: str, device: torch.device, dtype: torch.dtype) -> str | None:
     if not source_path.lower().endswith(".gguf"):
         return "the model is not a GGUF file"
-    if device.type != "cpu":
-        return f"the block kernels run on the CPU, not {device}"
-    if dtype not in (torch.float32, torch.bfloat16):
-        return f"the block kernels take float32 or bfloat16, not {dtype}"
+    reason = _why_not_kernels(device, dtype)
+    if reason is not None:
+        return reason
     types = linear_types(source_path)
     if not types & set(BLOCK_TYPES):
         return f"the file's linear weights are {sorted(types)}, none of Q8_0, Q4_0, Q4_1"
-    return _why_not_kernels(device, dtype)
+    return None
 
 
 def _why_not_kernels(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -227,9 +227,18 @@ def test_a_sparse_text_config_reads_like_transformers(tmp_path, text_type):
                   "max_position_embeddings"):  # fmt: skip
         assert getattr(parsed, field) == getattr(text, field), field
     assert parsed.head_dim == 128 and parsed.rope_theta == 10000.0
+    assert parsed.attention_bias == (text_type == "qwen2")  # Qwen2's q/k/v biases
     slots = ImageSlots.of(parsed)
     assert slots is not None and slots.tokens_per_tile == 576 and slots.tiling == "whole"
     assert slots.tile_shape == (3, 336, 336) and slots.image_token_id == 32000
+
+
+def test_an_unknown_text_model_inside_a_vision_model_is_refused(tmp_path):
+    config = json.loads(json.dumps(LLAVA_15_CONFIG))
+    config["text_config"]["model_type"] = "gemma"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="text_config.model_type 'gemma'; sluice runs llama"):
+        ModelConfig.from_hf_dir(str(tmp_path))
 
 
 def test_sharded_checkpoint_iterates_every_shard(tmp_path, smollm2_hf_dir):

@@ -167,6 +167,21 @@ def test_processed_pixels_equal_transformers_and_are_cached(tiny_llava: str) -> 
     assert len(manager.processed_cache) == 2 and len(manager.cache) == 0
 
 
+def test_an_image_three_pixels_high_is_read_channels_last(tiny_llava: str) -> None:
+    """A [3, W, 3] array could be channels-first: the processor is told it is not."""
+    from transformers import AutoProcessor
+
+    from sluice.tokenizer.media.process import process_image
+
+    png = _png(12, (3, 50))
+    got = process_image(png, "h", 10**6, tiny_llava).pixel_values
+    image = np.asarray(_image(png))
+    want = AutoProcessor.from_pretrained(tiny_llava).image_processor(
+        [image], return_tensors="np", input_data_format="channels_last"
+    )["pixel_values"][0]
+    assert got.shape == (3, 32, 32) and np.array_equal(got, want)
+
+
 class HeldExecutor(ThreadPoolExecutor):
     """Runs each work item only once `release` is set; `started` tells that one is held."""
 

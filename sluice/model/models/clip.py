@@ -46,7 +46,8 @@ class CLIPVisionConfig:
     """A checkpoint's `vision_config`; the defaults are those of LLaVA-1.5's CLIP ViT-L/14-336,
     which its config.json leaves out."""
 
-    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("clip_vision_model",)  # the first: the default
+    # vision_config.model_type values taken (the first: the default); empty: any
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("clip_vision_model",)
     hidden_size: int = 1024
     intermediate_size: int = 4096
     num_hidden_layers: int = 24
@@ -59,8 +60,8 @@ class CLIPVisionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
-        model_type = d.get("model_type", cls.MODEL_TYPES[0])
-        if model_type not in cls.MODEL_TYPES:
+        model_type = d.get("model_type", cls.MODEL_TYPES[0] if cls.MODEL_TYPES else None)
+        if cls.MODEL_TYPES and model_type not in cls.MODEL_TYPES:
             raise ValueError(
                 f"unsupported vision tower {model_type!r}; supported: {', '.join(cls.MODEL_TYPES)}"
             )

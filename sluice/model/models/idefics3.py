@@ -37,7 +37,8 @@ class Idefics3VisionConfig(CLIPVisionConfig):
     """A checkpoint's `vision_config`; the defaults are transformers' (which config.json may
     leave out). Its encoder layers are CLIP's (pre-norm attention and MLP, the same names)."""
 
-    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("idefics3_vision", "smolvlm_vision")
+    # any: transformers builds these architectures' tower whatever vision_config.model_type says
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
     hidden_size: int = 1152
     intermediate_size: int = 3072
     num_hidden_layers: int = 12

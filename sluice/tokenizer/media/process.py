@@ -60,10 +60,15 @@ def process_image(data: bytes, image_hash: str, max_pixels: int, model_dir: str)
     splits = hasattr(processor, "do_image_splitting")
     kwargs = {"return_row_col_info": True} if splits else {}
     try:
-        out = processor(images=[decoded.pixels], return_tensors="np", **kwargs)
+        # decode_image gives [H, W, 3]: said, so that a 3-pixel-high image is not read as
+        # channels-first (transformers guesses the layout from the shape otherwise)
+        out = processor(
+            images=[decoded.pixels], return_tensors="np", input_data_format="channels_last",
+            **kwargs,
+        )  # fmt: skip
+        grid = (int(out["rows"][0][0]), int(out["cols"][0][0])) if splits else (0, 0)
     except Exception as exc:
         raise MediaError(f"image_url: the image processor failed on the image ({exc})") from None
     # [C, H, W], or (a splitting processor) [tiles, C, H, W] of the one image of one sample
     pixel_values = np.ascontiguousarray(np.asarray(out["pixel_values"][0], dtype=np.float32))
-    grid = (int(out["rows"][0][0]), int(out["cols"][0][0])) if splits else (0, 0)
     return ProcessedImage(image_hash, pixel_values, grid)

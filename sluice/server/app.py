@@ -345,7 +345,8 @@ async def _add_workers(info: dict[str, Any], workers: WorkerGroup) -> None:
             )
     info["tokenizer_worker"] = here.worker
     info["tokenizer_workers"] = [
-        {"index": r.worker, "pid": r.pid, "num_req_states": r.num_req_states} for r in states
+        {"index": r.worker, "pid": r.pid, "num_req_states": r.num_req_states}
+        for r in sorted(states, key=lambda r: r.worker)
     ]
 
 

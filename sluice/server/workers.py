@@ -61,8 +61,7 @@ class WorkerGroup:
         here = self._state_here(0, 0)
         if self.peers is None:
             return [here]
-        others = await self.peers.gather(lambda seq, me: PeerStateReq(seq, me))
-        return [here, *sorted(others, key=lambda r: r.worker)]
+        return [here, *await self.peers.gather(lambda seq, me: PeerStateReq(seq, me))]
 
     async def peer_metrics(self) -> list[PeerMetricsReply]:
         if self.peers is None:

@@ -158,6 +158,31 @@ def test_embeddings_through_every_worker(two: LiveServer) -> None:
     _assert_idle(two, 2)
 
 
+def test_an_encoder_main_model_with_two_workers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--model-path an embedding model: its scheduler sends each output to its own worker."""
+    from sluice.checkpoint.encoder_config import default_embedding_model_path
+
+    path = default_embedding_model_path()
+    if path is None:
+        pytest.skip("the default embedding model is not installed")
+    log = tmp_path_factory.mktemp("workers_encoder") / "server.log"
+    with running_server(
+        path, ["--tokenizer-worker-num", "2", "--log-level", "warning"], log
+    ) as srv:
+        seen, vectors = set(), []
+        while len(seen) < 2:
+            client, worker = _client_on(srv.base, lambda w: w not in seen)
+            with contextlib.closing(client):
+                resp = client.post("/v1/embeddings", json={"input": ["a red fox"] * 3})
+            assert resp.status_code == 200, resp.text
+            seen.add(worker)
+            vectors.append([d["embedding"] for d in resp.json()["data"]])
+        assert vectors[0] == vectors[1]
+        info = _info(srv)
+        assert info["internal_state"]["num_req_states"] == 0
+        assert [w["index"] for w in info["tokenizer_workers"]] == [0, 1]
+
+
 # ---------------------------------------------------------------------------- aborts
 
 

@@ -320,6 +320,18 @@ def launch_server(args: ServerArgs) -> int:
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")
         return 0
+    finally:
+        _stop_strays()
+
+
+def _stop_strays() -> None:
+    """STOP_SIGNAL to any child an interrupted start left running: a child ignores the SIGTERM
+    that multiprocessing's exit handler sends its daemons before joining them, which would
+    leave this process waiting for it forever."""
+    for child in mp.active_children():
+        if child.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, ipc.STOP_SIGNAL)
 
 
 def _check_port_free(host: str, port: int) -> None:

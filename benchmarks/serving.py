@@ -9,6 +9,11 @@ produce exactly the requested number of output tokens (EOS ignored). Workloads:
     decode-heavy   ~20 prompt tokens, 128 output tokens
     mixed          ~150 prompt tokens, 64 output tokens
     shared-prefix  a 450-token common prefix + ~30 own tokens, 32 output tokens
+    prompt-bound   ~400 prompt tokens, 1 output token (256 requests; not run by default): the
+                   HTTP processes' share (tokenizing, JSON, SSE) is large
+
+`--tokenizer-worker-num 1,2` runs sluice's server once per HTTP worker count (the first as
+"sluice-server", the others as "sluice-wN") and prints each one's ratio to the first.
 
 Only one system runs at a time: each server is a subprocess started, health-checked, warmed up,
 measured and killed (its whole process group) before the next one; the Engine runs in a
@@ -21,7 +26,7 @@ skips the single-stream workload: it would batch its requests).
 
     .venv/bin/python benchmarks/serving.py [--workloads single-stream,decode-heavy,mixed,shared-prefix]
         [--num-requests N] [--concurrency 32] [--skip-llama-server] [--skip-vllm] [--skip-engine]
-        [--sluice-args "--max-total-tokens 40000"]
+        [--sluice-args "--max-total-tokens 40000"] [--tokenizer-worker-num 1,2]
 """
 
 from __future__ import annotations
@@ -78,8 +83,11 @@ WORKLOADS = {
         Workload("decode-heavy", prompt_len=20, output_len=128),
         Workload("mixed", prompt_len=150, output_len=64),
         Workload("shared-prefix", prompt_len=30, output_len=32, shared_len=450),
+        # HTTP-bound: long prompts, one output token (many requests, little decode)
+        Workload("prompt-bound", prompt_len=400, output_len=1, num_requests=256),
     )
 }
+DEFAULT_WORKLOADS = ("single-stream", "decode-heavy", "mixed", "shared-prefix")
 
 
 @dataclass
@@ -455,6 +463,9 @@ def print_table(wl: Workload, n: int, concurrency: int, rows: dict[str, Result])
           f"{_ratio(srv, vllm, 'req_s')} req/s")  # fmt: skip
     print(f"sluice-server / sluice-Engine: {_ratio(srv, eng, 'tok_s')} output tok/s, "
           f"{_ratio(srv, eng, 'req_s')} req/s")  # fmt: skip
+    for name in (k for k in rows if k.startswith("sluice-w")):
+        print(f"{name} / sluice-server : {_ratio(rows[name], srv, 'tok_s')} output tok/s, "
+              f"{_ratio(rows[name], srv, 'req_s')} req/s")  # fmt: skip
 
 
 # ---------------------------------------------------------------- main
@@ -465,8 +476,13 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of the workloads"
-    )
+        "--workloads", default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated subset of the workloads ({', '.join(WORKLOADS)})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--tokenizer-worker-num", default="1",
+        help="sluice server's HTTP worker counts, comma-separated (one run each; default 1)",
+    )  # fmt: skip
     ap.add_argument(
         "--num-requests", type=int, default=None, help="requests per workload (default: 64 each)"
     )
@@ -524,18 +540,14 @@ def main() -> None:
     )
 
     results: dict[str, dict[str, Result]] = {}
-    if not args.skip_sluice_server:
+    worker_nums = [int(n) for n in args.tokenizer_worker_num.split(",") if n.strip()]
+    for i, num_workers in enumerate(worker_nums if not args.skip_sluice_server else []):
         port = free_port()
-        cmd = sluice_command(port, sluice_extra)
-        results["sluice-server"] = run_server(
-            "sluice-server",
-            cmd,
-            "/health_generate",
-            port,
-            workloads,
-            prompts,
-            warm,
-            args.concurrency,
+        cmd = sluice_command(port, [*sluice_extra, "--tokenizer-worker-num", str(num_workers)])
+        name = "sluice-server" if i == 0 else f"sluice-w{num_workers}"
+        print(f"{name}: {num_workers} HTTP workers", flush=True)
+        results[name] = run_server(
+            name, cmd, "/health_generate", port, workloads, prompts, warm, args.concurrency
         )
     if not args.skip_llama_server:
         sys.path.insert(0, str(HERE))

@@ -151,6 +151,12 @@ class ServerArgs:
         20.0, "on SIGTERM, seconds to let requests in flight finish before aborting them",
         at_least=0,
     )  # fmt: skip
+    tokenizer_worker_num: int = _opt(
+        1,
+        "HTTP worker processes sharing --port (SO_REUSEPORT), each with its own TokenizerManager, "
+        "in front of one scheduler and one detokenizer; a worker that dies stops the server",
+        at_least=1,
+    )
     health_timeout: float = _opt(
         20.0, "/health_generate is 503 when the scheduler was silent for this many seconds",
         above=0,

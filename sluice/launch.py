@@ -4,9 +4,14 @@
 start-up handshakes, and yields a TokenizerManager wired to them; a watchdog task notices a dead
 child within WATCHDOG_INTERVAL_S. `launch_server` adds the HTTP server (uvicorn) in this process.
 
+With --tokenizer-worker-num N > 1 this process is HTTP worker 0 and `ServingProcesses` also
+spawns workers 1..N-1 (`server/http_worker.py`) once the model processes are ready; they are
+children like the others. A signal here drains every worker (relayed as PeerDrain).
+
 Guarantees: no child outlives `ServingProcesses` (terminated on exit, and each child exits by
 itself when its parent is gone); a failed start reports the child's traceback; after a child
-died, every request fails with 503 and `sluice serve` exits non-zero.
+died (an HTTP worker included), every request of every worker fails with 503 and `sluice serve`
+exits non-zero.
 """
 
 from __future__ import annotations
@@ -30,16 +35,12 @@ from sluice.checkpoint.encoder_config import EncoderConfig, is_encoder_model, lo
 from sluice.checkpoint.hf_dir import load_model_config
 from sluice.config import ServerArgs
 from sluice.detokenizer.process import run_detokenizer_process
-from sluice.messages import ModelInfo, ReadyMsg
+from sluice.messages import ModelInfo, PeerDrain, PeerFailure, ReadyMsg
 from sluice.scheduler.process import run_scheduler_process
-from sluice.tokenizer.embedding_manager import (
-    EncoderManager,
-    EncoderSpec,
-    plan_encoders,
-    start_manager,
-)
-from sluice.tokenizer.encoder_frontend import EncoderFrontend
-from sluice.tokenizer.manager import TokenizerManager
+from sluice.server.http_worker import fail_all, reuseport_socket, run_http_worker, start_managers
+from sluice.server.peers import Peers
+from sluice.tokenizer.embedding_manager import EncoderManager, EncoderSpec, plan_encoders
+from sluice.tokenizer.main_model import MainModel
 from sluice.utils import ipc
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class _Child:
     name: str
     process: mp.process.BaseProcess
     ready_conn: multiprocessing.connection.Connection  # the parent's read end
+    is_ready: bool = False  # its handshake was read
 
 
 class ServingProcesses:
@@ -72,23 +74,27 @@ class ServingProcesses:
         self.on_child_death = on_child_death
         self.failure: str | None = None  # why a child died, once one has
         self.addrs: ipc.IpcAddrs | None = None  # created on entry, removed on exit
-        self.tm: TokenizerManager | None = None
+        self.tm: MainModel | None = None
         self.embedders: list[EncoderManager] = []  # extra encoder models, one child each
+        self.peers: Peers | None = None  # worker 0's line to the other HTTP workers
+        self.draining = False  # set when the drain begins: the other workers then exit too
         self._encoders: list[EncoderSpec] = []
         self._encoder_infos: list[dict[str, Any]] = []  # their ready handshakes, in order
         self._children: list[_Child] = []
         self._watchdog: asyncio.Task[None] | None = None
+        self._abandoned = False  # the start was interrupted
 
     def pid_of(self, name: str) -> int | None:
         """The pid of child `name` ("scheduler" or "detokenizer")."""
         return next((c.process.pid for c in self._children if c.name == name), None)
 
-    async def __aenter__(self) -> TokenizerManager:
-        self.addrs = ipc.IpcAddrs.create()
+    async def __aenter__(self) -> MainModel:
+        self.addrs = ipc.IpcAddrs.create(self.args.tokenizer_worker_num)
         start = asyncio.get_running_loop().run_in_executor(None, self._start)
         try:
             cfg, tokenizer, info = await asyncio.shield(start)
         except asyncio.CancelledError:
+            self._abandoned = True  # the start spawns no HTTP worker after this
             with contextlib.suppress(Exception):
                 await start  # let the start finish, then undo it
             self._stop_children()
@@ -105,14 +111,12 @@ class ServingProcesses:
         return self.tm
 
     def _start_managers(self, cfg: Any, tokenizer: Any, info: ModelInfo | None) -> None:
-        for spec, enc_info in zip(self._encoders, self._encoder_infos, strict=True):
-            self.embedders.append(start_manager(spec, enc_info))
-            self.embedders[-1].start()
-        if isinstance(cfg, EncoderConfig):  # the main model is an encoder: no generation
-            self.tm = EncoderFrontend(self.embedders[0], cfg)
-        else:
-            self.tm = TokenizerManager(self.args, cfg, tokenizer, self.addrs, info)
-            self.tm.start()
+        self.tm, self.embedders = start_managers(
+            self.args, cfg, tokenizer, self.addrs, info, self._encoders, self._encoder_infos
+        )
+        if self.addrs.peers:
+            self.peers = Peers(0, self.addrs.peers)
+        if not isinstance(cfg, EncoderConfig):
             logger.info(
                 "model %s: context %s tokens, KV pool %s tokens, up to %s running requests, "
                 "%s on %s with %s threads",
@@ -124,11 +128,24 @@ class ServingProcesses:
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
+        await self._wait_workers()
+        if self.peers is not None:
+            await self.peers.close()
         if self.tm is not None:
             await self.tm.close()
         for embedder in self.embedders:
             await embedder.close()
         self._stop_children()
+
+    async def _wait_workers(self) -> None:
+        """Let the other HTTP workers end their drain (or send their 503s after a failure)
+        and exit by themselves before their children go."""
+        workers = [c for c in self._children if c.name.startswith("http-")]
+        wait_s = self.args.shutdown_timeout + STOP_TIMEOUT_S if self.draining else 2.0
+        deadline = time.monotonic() + wait_s
+        for child in workers:
+            left = max(deadline - time.monotonic(), 0)
+            await asyncio.get_running_loop().run_in_executor(None, child.process.join, left)
 
     # ---- start and stop (blocking) ---------------------------------------------------------
 
@@ -154,7 +171,24 @@ class ServingProcesses:
         tokenizer = None if main_is_encoder else get_tokenizer(cfg.hf_dir)  # while they start
         ready = self._wait_ready()
         self._start_embedders(ready)
-        return cfg, tokenizer, None if main_is_encoder else ready["scheduler"].info
+        info = None if main_is_encoder else ready["scheduler"].info
+        self._spawn_workers(ctx, cfg, info)
+        return cfg, tokenizer, info
+
+    def _spawn_workers(self, ctx: Any, cfg: Any, info: ModelInfo | None) -> None:
+        """HTTP workers 1..N-1 (--tokenizer-worker-num), once the model processes are ready;
+        returns when each listens."""
+        assert self.addrs is not None
+        if self._abandoned:
+            return
+        for index in range(1, self.args.tokenizer_worker_num):
+            self._spawn(
+                ctx, f"http-{index}", run_http_worker, index, self.args, cfg, info, self.addrs,
+                self._encoders, self._encoder_infos,
+            )  # fmt: skip
+        if self.args.tokenizer_worker_num > 1:
+            self._wait_ready()
+            logger.info("%d HTTP workers", self.args.tokenizer_worker_num)
 
     def _spawn_encoders(self, ctx: Any) -> None:
         """One scheduler process per extra encoder model (embedding, rerank)."""
@@ -186,7 +220,8 @@ class ServingProcesses:
         self._children.append(_Child(name, process, reader))
 
     def _wait_ready(self) -> dict[str, ReadyMsg]:
-        pending = {c.ready_conn: c for c in self._children}
+        """The handshakes of the children that have not sent theirs yet."""
+        pending = {c.ready_conn: c for c in self._children if not c.is_ready}
         ready: dict[str, ReadyMsg] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while pending:
@@ -198,6 +233,7 @@ class ServingProcesses:
             for conn in conns:
                 child = pending.pop(conn)  # type: ignore[call-overload]
                 ready[child.name] = self._read_ready(child)
+                child.is_ready = True
         return ready
 
     @staticmethod
@@ -240,18 +276,25 @@ class ServingProcesses:
 
     # ---- watchdog -------------------------------------------------------------------------
 
+    def _is_dead(self, child: _Child) -> bool:
+        """Dead before its time: an HTTP worker's clean exit ends a drain."""
+        if child.process.is_alive():
+            return False
+        drained = self.draining and child.name.startswith("http-")
+        return not (drained and child.process.exitcode == 0)
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            dead = next((c for c in self._children if not c.process.is_alive()), None)
+            dead = next((c for c in self._children if self._is_dead(c)), None)
             if dead is None:
                 continue
             self.failure = f"the {dead.name} process died (exit code {dead.process.exitcode})"
             logger.error("%s: failing all requests and shutting down", self.failure)
             assert self.tm is not None
-            self.tm.on_child_death(self.failure)
-            for embedder in self.embedders:
-                embedder.on_child_death(self.failure)
+            fail_all(self.tm, self.embedders, self.failure)
+            if self.peers is not None:
+                self.peers.tell(PeerFailure(self.failure))
             if self.on_child_death is not None:
                 self.on_child_death(self.failure)
             return
@@ -277,6 +320,18 @@ def launch_server(args: ServerArgs) -> int:
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")
         return 0
+    finally:
+        _stop_strays()
+
+
+def _stop_strays() -> None:
+    """STOP_SIGNAL to any child an interrupted start left running: a child ignores the SIGTERM
+    that multiprocessing's exit handler sends its daemons before joining them, which would
+    leave this process waiting for it forever."""
+    for child in mp.active_children():
+        if child.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, ipc.STOP_SIGNAL)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -301,24 +356,42 @@ async def _serve(args: ServerArgs) -> int:
 
     procs = ServingProcesses(args, on_child_death)
     async with procs as tm:
+        app = _create_app(tm, args, procs.embedders, procs.peers)
         config = uvicorn.Config(
-            _create_app(tm, args, procs.embedders), host=args.host, port=args.port,
-            log_level=args.log_level, timeout_graceful_shutdown=5,
+            app, host=args.host, port=args.port, log_level=args.log_level,
+            timeout_graceful_shutdown=5,
         )  # fmt: skip
         server = _Server(config)
         from sluice.server.shutdown import GracefulShutdown  # the HTTP layer, only here
 
         drain = GracefulShutdown(server, tm, args.shutdown_timeout, procs.embedders)
         server.on_signal = drain.on_signal
+        sockets = None  # one worker: uvicorn binds the port itself
+        if procs.peers is not None:
+            server.on_signal = _relaying(drain.on_signal, procs)
+            procs.peers.start(app.state.workers.handle)
+            sockets = [reuseport_socket(args.host, args.port)]
         announce = asyncio.create_task(_announce(server, args))
         if procs.failure is None:
-            await server.serve()
+            await server.serve(sockets=sockets)
         announce.cancel()
     if procs.failure is not None:
         logger.error("exiting: %s", procs.failure)
         return 1
     logger.info("stopped")
     return 0
+
+
+def _relaying(on_signal: Callable[[int], None], procs: ServingProcesses) -> Callable[[int], None]:
+    """The launcher's signal handling with several HTTP workers: each drains as it does."""
+
+    def relay(sig: int) -> None:
+        procs.draining = True
+        assert procs.peers is not None
+        procs.peers.tell(PeerDrain())
+        on_signal(sig)
+
+    return relay
 
 
 async def _announce(server: Any, args: ServerArgs) -> None:
@@ -348,8 +421,9 @@ class _Server(uvicorn.Server):
 
 
 def _create_app(
-    tm: TokenizerManager, args: ServerArgs, embedders: list[EncoderManager] | None = None
-) -> Any:
+    tm: MainModel, args: ServerArgs, embedders: list[EncoderManager] | None = None,
+    peers: Peers | None = None,
+) -> Any:  # fmt: skip
     from sluice.server.app import create_app  # the HTTP layer, only in this process
 
-    return create_app(tm, args, embedders=embedders)
+    return create_app(tm, args, embedders=embedders, peers=peers)

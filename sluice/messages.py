@@ -5,9 +5,10 @@ integer lists. Single and batch requests are different types.
 
 Sections by receiver: what the scheduler takes (from the HTTP process), what the detokenizer
 takes (from the scheduler), what the HTTP process takes (from the detokenizer, or straight from
-an encoder's scheduler), and the launcher's start-up handshake. A struct sent on its own is a
+an encoder's scheduler), what HTTP workers send each other, and the launcher's start-up
+handshake. A struct sent on its own is a
 `Message`, tagged with its class name; each receiver decodes the closed union of what it takes
-(`ToScheduler`, `ToDetokenizer`, `ToHttp`, at the end) by that tag and dispatches with `match`.
+(`ToScheduler`, `ToDetokenizer`, `ToHttp`, `ToPeer`, at the end) by that tag and dispatches with `match`.
 The structs of the first section travel only inside messages.
 """
 
@@ -200,11 +201,11 @@ class SetPausedReq(Message):
 
 
 class FlushCacheReq(Message):
-    pass
+    reply_to: str = ""  # the asking HTTP worker's address; the reply goes there
 
 
 class GetInternalStateReq(Message):
-    pass
+    reply_to: str = ""
 
 
 class OpenSessionReq(Message, omit_defaults=True):
@@ -218,6 +219,7 @@ class OpenSessionReq(Message, omit_defaults=True):
     session_id: str
     timeout: float = 0.0
     capacity_of_str_len: int = 0
+    reply_to: str = ""
 
 
 class CloseSessionReq(Message):
@@ -302,12 +304,14 @@ class InternalStateReply(Message):
 
     state: InternalState
     num_detokenizer_states: int = 0
+    reply_to: str = ""  # copied from the request: the worker it goes back to
 
 
 class FlushCacheReply(Message):
     """Scheduler → detokenizer → TokenizerManager, answering FlushCacheReq."""
 
     success: bool
+    reply_to: str = ""
 
 
 class OpenSessionReply(Message, omit_defaults=True):
@@ -316,6 +320,7 @@ class OpenSessionReply(Message, omit_defaults=True):
     session_id: str
     success: bool
     message: str = ""
+    reply_to: str = ""
 
 
 class SchedulerHeartbeat(Message):
@@ -324,6 +329,72 @@ class SchedulerHeartbeat(Message):
 
     num_running_reqs: int
     num_waiting_reqs: int
+
+
+# ---------------------------------------------------------------------------- between HTTP workers
+# With --tokenizer-worker-num N > 1, each HTTP worker has a peer socket (`IpcAddrs.peers`): a
+# request to "every worker" (an abort by rid, abort_all, the request states, the metrics) is
+# answered by the worker it reached and by each other one, whose replies it gathers by `seq`.
+# `sender` is the asking worker's index; the first worker (the launcher) also sends the last two.
+
+
+class PeerAbortReq(Message, omit_defaults=True):
+    """Abort `rid` (or, with `abort_all`, every request of every model) here."""
+
+    seq: int
+    sender: int
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PeerAbortReply(Message):
+    seq: int
+    num_aborted: int
+
+
+class PeerStateReq(Message):
+    seq: int
+    sender: int
+
+
+class PeerStateReply(Message):
+    """This worker's request states (as `num_req_states` counts them) and its identity."""
+
+    seq: int
+    worker: int
+    pid: int
+    num_req_states: int
+    encoder_req_states: dict[str, int] = {}  # pending pooled requests, by encoder model name
+
+
+class PeerMetricsReq(Message):
+    seq: int
+    sender: int
+
+
+class MetricSample(msgspec.Struct, array_like=True):
+    """One additive Prometheus sample (a counter's or a histogram's)."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class PeerMetricsReply(Message):
+    seq: int
+    samples: list[MetricSample]
+    num_prompt_tokens: int = 0  # behind the cache hit rate
+    num_cached_tokens: int = 0
+
+
+class PeerFailure(Message):
+    """A process of the server died: fail every request with 503 `message`, then exit."""
+
+    message: str
+
+
+class PeerDrain(Message):
+    """The launcher got SIGTERM (or Ctrl-C): drain as it does (`GracefulShutdown`), then exit."""
 
 
 # ---------------------------------------------------------------------------- to the launcher
@@ -352,3 +423,7 @@ PassedOn = (
 )  # fmt: skip
 ToDetokenizer = BatchTokenIDOutput | AbortReq | PassedOn
 ToHttp = BatchStrOutput | PassedOn
+ToPeer = (
+    PeerAbortReq | PeerAbortReply | PeerStateReq | PeerStateReply | PeerMetricsReq
+    | PeerMetricsReply | PeerFailure | PeerDrain
+)  # fmt: skip

@@ -4,7 +4,9 @@ TokenizerManager. It loads only the tokenizer (no model, no compute threads).
 Everything else arriving here is passed on in order: control replies of the scheduler (the
 internal-state reply gets this process's state count added), so a reply never overtakes the
 text of the outputs the scheduler sent before it. An AbortReq from the TokenizerManager drops
-the rid's decode state (the scheduler's abort finish would drop it too).
+the rid's decode state (the scheduler's abort finish would drop it too). With several HTTP
+workers, each output goes to its owner (`routing.Outbox`: a text batch is split by the owners
+of its token-id batch, a reply goes to its `reply_to`, a heartbeat to every worker).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sluice.messages import (
     ToDetokenizer,
 )
 from sluice.utils import ipc
+from sluice.utils.routing import Outbox
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class DetokenizerLoop:
         self.manager = DetokenizerManager(get_tokenizer(hf_dir))
         self.ctx = zmq.Context()
         self.recv_sock = ipc.pull_socket(self.ctx, addrs.detokenizer_in)
-        self.send_sock = ipc.push_socket(self.ctx, addrs.tokenizer_in)
+        self.outbox = Outbox(self.ctx, addrs.all_owners)
 
     def run_forever(self) -> None:
         """Never blocks for longer than WAKE_MS: a signal that the kernel hands to another
@@ -76,14 +79,14 @@ class DetokenizerLoop:
             return
         match msg:
             case BatchTokenIDOutput():
-                ipc.send(self.send_sock, self._detokenize(msg))
+                self.outbox.send(self._detokenize(msg), owners=msg.reply_to)
             case AbortReq():
                 self.manager.abort(msg.rid)
             case InternalStateReply():
                 msg.num_detokenizer_states = self.manager.num_states()
-                ipc.send(self.send_sock, msg)
+                self.outbox.send(msg)
             case _:  # the rest of `PassedOn`: replies, heartbeats, pooled outputs
-                ipc.send(self.send_sock, msg)
+                self.outbox.send(msg)
 
     def _detokenize(self, out: BatchTokenIDOutput) -> BatchStrOutput:
         try:

@@ -3,7 +3,9 @@
 Loop guarantee: while the model has work, pending messages are taken without blocking between
 steps, so a new request or an abort waits at most one step; while idle or paused
 (/pause_generation: steps end aborted and expired requests, no forward runs), the loop blocks on
-the socket IDLE_POLL_MS at a time. Every step's outputs go to `addrs.detokenizer_in`, in order.
+the socket IDLE_POLL_MS at a time. Every step's outputs go to `addrs.detokenizer_in`, in order
+(an encoder, which has no detokenizer, sends each to its owning HTTP worker: `routing.Outbox`);
+a control reply carries its request's `reply_to`.
 A SchedulerHeartbeat goes out at least every heartbeat interval, busy or idle, so the HTTP
 process can tell a stuck loop.
 
@@ -44,6 +46,7 @@ from sluice.messages import (
     ToScheduler,
 )
 from sluice.utils import ipc
+from sluice.utils.routing import Outbox
 
 logger = logging.getLogger(__name__)
 
@@ -126,21 +129,21 @@ class SchedulerCore:
 
 
 class ModelLoop:
-    """`recv_sock` takes the model's messages; `send_sock` carries its outputs and replies."""
+    """`recv_sock` takes the model's messages; `outbox` carries its outputs and replies."""
 
     def __init__(
-        self, core: ModelCore, recv_sock: Any, send_sock: Any, heartbeat: ipc.HeartbeatTimer
+        self, core: ModelCore, recv_sock: Any, outbox: Any, heartbeat: ipc.HeartbeatTimer
     ) -> None:
         self.core, self.heartbeat = core, heartbeat
-        self.recv_sock, self.send_sock = recv_sock, send_sock
+        self.recv_sock, self.outbox = recv_sock, outbox
 
     @classmethod
     def bind(cls, core: ModelCore, addrs: ipc.IpcAddrs, health_timeout: float) -> ModelLoop:
         """The loop on the process's own sockets (`addrs.scheduler_in` in, detokenizer_in out)."""
         ctx = zmq.Context()
         recv_sock = ipc.pull_socket(ctx, addrs.scheduler_in)
-        send_sock = ipc.push_socket(ctx, addrs.detokenizer_in)
-        return cls(core, recv_sock, send_sock, ipc.HeartbeatTimer(health_timeout))
+        targets = (addrs.detokenizer_in,) if addrs.has_detokenizer else addrs.all_owners
+        return cls(core, recv_sock, Outbox(ctx, targets), ipc.HeartbeatTimer(health_timeout))
 
     def info(self) -> ModelInfo:
         return self.core.info()
@@ -156,10 +159,10 @@ class ModelLoop:
             self._take(data)
         if core.has_work():
             for out in core.step():
-                ipc.send(self.send_sock, out)
+                self.outbox.send(out)
         core.tick()
         if self.heartbeat.due():
-            ipc.send(self.send_sock, core.heartbeat())
+            self.outbox.send(core.heartbeat())
 
     def _take(self, data: bytes) -> None:
         try:
@@ -167,7 +170,7 @@ class ModelLoop:
         except ValueError as e:
             logger.error("dropped a message: %s", e)
             for out in _undecodable_outputs(data, f"malformed request: {e}"):
-                ipc.send(self.send_sock, out)
+                self.outbox.send(out)
             return
         match msg:
             case BatchTokenizedGenerateReqInput() | BatchTokenizedEmbeddingReqInput():
@@ -185,7 +188,7 @@ class ModelLoop:
             logger.exception("request %s could not be taken in", req.rid)
             out = abort_output(req, f"the scheduler rejected it: {e}", 500)
         if out is not None:
-            ipc.send(self.send_sock, out)
+            self.outbox.send(out)
 
     def _take_control(self, msg: ToScheduler) -> None:
         """A failing control message still gets its reply (its caller waits for one, in order);
@@ -201,7 +204,8 @@ class ModelLoop:
             logger.exception("a %s failed", type(msg).__name__)
             reply = _failure_reply(msg, f"{type(e).__name__}: {e}")
         if reply is not None:
-            ipc.send(self.send_sock, reply)
+            reply.reply_to = getattr(msg, "reply_to", "")
+            self.outbox.send(reply)
 
 
 def abort_output(req: Request, message: str, status_code: int) -> Any:

@@ -16,13 +16,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import __version__
 from sluice.server.chat_output import resolve_tool_parser
 from sluice.server.errors import APIError, as_api_error, error_response, install_error_handlers
 from sluice.server.logprobs import TokenText
 from sluice.server.metrics import METRICS_CONTENT_TYPE, RequestCountMiddleware, ServerMetrics
+from sluice.server.peers import Peers
 from sluice.server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -39,6 +40,7 @@ from sluice.server.serving_generate import ServingGenerate
 from sluice.server.serving_rerank import ServingRerank
 from sluice.server.serving_score import ServingScore
 from sluice.server.worker_info import identity, model_info, quiet_protocol_probes
+from sluice.server.workers import WorkerGroup
 from sluice.tokenizer.main_model import MainModel
 from sluice.tokenizer.model_client import HeardFrom
 
@@ -81,10 +83,13 @@ def create_app(
     *,
     keepalive_interval: float = 5.0,
     embedders: list[Any] | None = None,
+    peers: Peers | None = None,
 ) -> FastAPI:
     """`embedders`: the EmbeddingManagers of the server's encoder models, routed by `model`;
     the main model's own `embedding_manager` (a decoder's; None for an encoder) makes the chat
-    model serve embeddings, /v1/score and rerank too."""
+    model serve embeddings, /v1/score and rerank too. `peers`: this HTTP worker's line to the
+    others (--tokenizer-worker-num > 1; `app.state.workers.handle` answers them), and every
+    response then names the worker that served it in an `X-Sluice-Worker` header."""
     app = FastAPI(
         title="sluice", version=__version__, docs_url=None, redoc_url=None, **_no_telemetry()
     )
@@ -105,6 +110,7 @@ def create_app(
     app.state.ctx = ctx
     app.state.server_args = server_args
     app.state.created = int(time.time())
+    app.state.workers = WorkerGroup(tokenizer_manager, list(embedders or []), ctx.metrics, peers)
     counters = _request_counters(tokenizer_manager, list(embedders or []))
     if counters:
         ctx.metrics.watch_counters(*(c.as_dict for c in counters))
@@ -118,7 +124,29 @@ def create_app(
     if getattr(server_args, "api_key", None):
         app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=ctx.metrics, routes=routes)
+    if peers is not None:
+        app.add_middleware(WorkerHeaderMiddleware, index=peers.index)
     return app
+
+
+class WorkerHeaderMiddleware:
+    """`X-Sluice-Worker: <index>` on every response of this HTTP worker."""
+
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self.app = app
+        self.header = (b"x-sluice-worker", str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 def _request_counters(tokenizer_manager: MainModel, embedders: list[Any]) -> list[Any]:
@@ -285,10 +313,13 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
         main = tm.manager  # an encoder main model's manager answers as internal_state
         others = [e for e in app.state.embedders if e is not main]
         state, encoder_states = await asyncio.gather(_internal_state(ctx), _encoder_states(others))
-        return {
+        info = {
             **_public_args(server_args), **names, "version": __version__,
             "internal_state": state, "encoder_internal_states": encoder_states,
         }  # fmt: skip
+        if app.state.workers.peers is not None:
+            await _add_workers(info, app.state.workers)
+        return info
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -296,7 +327,27 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext, server_args: Any) -> Non
             state = await _internal_state(ctx)
         except APIError:
             state = None  # counters and histograms are still worth a scrape
-        return Response(ctx.metrics.render(state), media_type=METRICS_CONTENT_TYPE)
+        peers = await app.state.workers.peer_metrics()
+        return Response(ctx.metrics.render(state, peers), media_type=METRICS_CONTENT_TYPE)
+
+
+async def _add_workers(info: dict[str, Any], workers: WorkerGroup) -> None:
+    """Every HTTP worker's request states counted in (`num_req_states` of the main model and
+    of each encoder model), and `tokenizer_workers`: each worker's index, pid and states;
+    `tokenizer_worker`: the index of the one that answered."""
+    states = await workers.req_states()
+    here = states[0]
+    info["internal_state"]["num_req_states"] += sum(r.num_req_states for r in states[1:])
+    for name, encoder_state in info["encoder_internal_states"].items():
+        if "num_req_states" in encoder_state:
+            encoder_state["num_req_states"] += sum(
+                r.encoder_req_states.get(name, 0) for r in states[1:]
+            )
+    info["tokenizer_worker"] = here.worker
+    info["tokenizer_workers"] = [
+        {"index": r.worker, "pid": r.pid, "num_req_states": r.num_req_states}
+        for r in sorted(states, key=lambda r: r.worker)
+    ]
 
 
 def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -333,14 +384,11 @@ def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
         req = await parse_body(request, AbortRequest)
         if req.abort_all:
             return {"success": True, "num_aborted": await abort_all_models()}
-        num = int(await tm.abort_request(rid=req.rid) or 0)
-        return {"success": True, "num_aborted": num}
+        return {"success": True, "num_aborted": await app.state.workers.abort(req.rid)}
 
     async def abort_all_models() -> int:
-        num = int(await tm.abort_request(abort_all=True) or 0)
-        for encoder in app.state.embedders:
-            num += encoder.abort_all(499, "request_aborted", "the request was aborted")
-        return num
+        """Every worker's requests, of every model."""
+        return await app.state.workers.abort_all()
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -83,7 +84,21 @@ class ServerMetrics:
     def track(self) -> RequestTracker:
         return RequestTracker(self)
 
-    def render(self, state: dict[str, Any] | None) -> bytes:
+    def additive_samples(self) -> list[tuple[str, dict[str, str], float]]:
+        """(sample name, labels, value) of every counter and histogram sample (not `_created`):
+        what another HTTP worker adds to its own in `render`."""
+        return [
+            (sample.name, dict(sample.labels), float(sample.value))
+            for family in self.registry.collect()
+            if family.type in _ADDITIVE
+            for sample in family.samples
+            if not sample.name.endswith("_created")
+        ]
+
+    def render(self, state: dict[str, Any] | None, peers: list[Any] | None = None) -> bytes:
+        """The page; with `peers` (PeerMetricsReply of the other HTTP workers), every counter
+        and histogram is the sum over all workers, and the cache hit rate theirs together."""
+        peers = peers or []
         if state is not None:
             total = max(int(state.get("kv_total", 0)), 1)
             self.num_running.set(state.get("num_running_reqs", 0))
@@ -91,9 +106,46 @@ class ServerMetrics:
             self.kv_usage.set(state.get("kv_in_use", 0) / total)
             self.kv_cached.set(state.get("kv_cached", 0))
             self.kv_total.set(state.get("kv_total", 0))
-        prompt = self.num_prompt_tokens
-        self.cache_hit_rate.set(self.num_cached_tokens / prompt if prompt else 0.0)
-        return generate_latest(self.registry)
+        prompt = self.num_prompt_tokens + sum(p.num_prompt_tokens for p in peers)
+        cached = self.num_cached_tokens + sum(p.num_cached_tokens for p in peers)
+        self.cache_hit_rate.set(cached / prompt if prompt else 0.0)
+        if not peers:
+            return generate_latest(self.registry)
+        return generate_latest(_Summed(self.registry, [s for p in peers for s in p.samples]))
+
+
+_ADDITIVE = ("counter", "histogram")
+_SUFFIXES = ("_total", "_bucket", "_count", "_sum", "")
+
+
+class _Summed(Collector):
+    """`registry` with the other workers' `samples` (MetricSample) added to its counters and
+    histograms; a label set only another worker has is added to its family."""
+
+    def __init__(self, registry: CollectorRegistry, samples: list[Any]) -> None:
+        self.registry = registry
+        self.extra: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for s in samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            self.extra[key] = self.extra.get(key, 0.0) + s.value
+
+    def collect(self) -> Iterator[Any]:
+        for family in self.registry.collect():
+            if family.type in _ADDITIVE:
+                family.samples = self._summed(family)
+            yield family
+
+    def _summed(self, family: Any) -> list[Any]:
+        names = {family.name + suffix for suffix in _SUFFIXES}
+        samples, seen = [], set()
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            seen.add(key)
+            samples.append(sample._replace(value=sample.value + self.extra.get(key, 0.0)))
+        for (name, labels), value in self.extra.items():
+            if name in names and (name, labels) not in seen:
+                samples.append(Sample(name, dict(labels), value))
+        return samples
 
 
 class _CountersCollector(Collector):

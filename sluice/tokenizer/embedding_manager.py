@@ -119,7 +119,7 @@ def plan_encoders(args: ServerArgs) -> list[EncoderSpec]:
 
 
 def _spec(name: str, args: ServerArgs) -> EncoderSpec:
-    addrs = ipc.IpcAddrs.create()
+    addrs = ipc.IpcAddrs.create(args.tokenizer_worker_num)  # one reply address per HTTP worker
     return EncoderSpec(name, args, dataclasses.replace(addrs, detokenizer_in=addrs.tokenizer_in))
 
 

@@ -88,6 +88,9 @@ class EncoderFrontend(OwnsClient):  # its health: its manager's client's
     async def get_internal_state(self) -> dict[str, Any]:
         return await self.manager.get_internal_state()
 
+    def num_req_states(self) -> int:
+        return len(self.manager.pending)
+
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise RequestError("the text to tokenize must be a string", param="prompt")

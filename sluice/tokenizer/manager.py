@@ -472,15 +472,19 @@ class TokenizerManager(OwnsClient):
         and this process's rids (live ones and those awaiting an abort echo)."""
         reply = await self.client.control(GetInternalStateReq(), InternalStateReply)
         state = msgspec.structs.asdict(reply.state)
-        state["num_req_states"] = (
-            len(self.rid_to_state) + len(self.awaiting_echo) + len(self.embedding_manager.pending)
-        )
+        state["num_req_states"] = self.num_req_states()
         state["num_detokenizer_states"] = reply.num_detokenizer_states
         state["kv_pool"] = {
             "total": state["kv_total"], "free": state["kv_free"],
             "cached": state["kv_cached"], "in_use": state["kv_in_use"],
         }  # fmt: skip
         return state
+
+    def num_req_states(self) -> int:
+        """Rids this process holds: live ones, those awaiting an abort echo, pooled ones."""
+        return (
+            len(self.rid_to_state) + len(self.awaiting_echo) + len(self.embedding_manager.pending)
+        )
 
     async def open_session(
         self, session_id: str | None = None, timeout: float = 0.0, capacity_of_str_len: int = 0

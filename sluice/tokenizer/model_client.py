@@ -76,9 +76,8 @@ class ModelClient:
         # sends never block (no high-water mark), so plain sockets do; one I/O thread for all
         sync_ctx = zmq.Context.shadow(self._ctx)
         self._to_scheduler = ipc.push_socket(sync_ctx, addrs.scheduler_in)
-        has_detokenizer = addrs.detokenizer_in != addrs.tokenizer_in
         self._to_detokenizer = (
-            ipc.push_socket(sync_ctx, addrs.detokenizer_in) if has_detokenizer else None
+            ipc.push_socket(sync_ctx, addrs.detokenizer_in) if addrs.has_detokenizer else None
         )
         self._recv_sock = ipc.pull_socket(self._ctx, addrs.tokenizer_in)
         self._handlers: dict[type, Callable[[Any], None]] = {}
@@ -130,8 +129,10 @@ class ModelClient:
             ipc.send(self._to_detokenizer, msg)
 
     async def control(self, msg: Any, reply_type: type) -> Any:
-        """Send `msg` and wait for its `reply_type` reply; 503 after CONTROL_TIMEOUT_S."""
+        """Send `msg` and wait for its `reply_type` reply (which comes back here: `msg` carries
+        this worker's address); 503 after CONTROL_TIMEOUT_S."""
         self.check_healthy()
+        msg.reply_to = self.reply_to
         waiters = self._waiters[reply_type]
         fut = asyncio.get_running_loop().create_future()
         # sent first: a message that fails to encode leaves no waiter to take another's reply

@@ -9,11 +9,15 @@ Socket layout (every PULL binds, every PUSH connects, all under one private temp
   TokenizerManager ──▶ scheduler_in    (requests, aborts, control requests)
   scheduler, TM    ──▶ detokenizer_in  (token-id batches, control replies, aborts)
   detokenizer      ──▶ tokenizer_in    (text batches, control replies)
+With --tokenizer-worker-num N, each HTTP worker has its own tokenizer_in (`IpcAddrs.owners`):
+every request and control request carries it as `reply_to`, and the detokenizer (or an
+encoder's scheduler) sends each output to its owner (`sluice.utils.routing.Outbox`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -92,15 +96,43 @@ def recv_all(sock: zmq.Socket, timeout_ms: int) -> list[bytes]:
 
 @dataclass(frozen=True)
 class IpcAddrs:
+    """`tokenizer_in` is this HTTP worker's own PULL; `owners` holds every worker's (the first
+    is the launcher's, and takes what has no owner); `peers` their worker-to-worker sockets
+    (none with one worker). An encoder's scheduler has no detokenizer: its `detokenizer_in` is
+    the first owner, and it sends straight to each output's owner."""
+
     root: str  # private temp dir holding the socket files; removed by `remove`
     scheduler_in: str
     detokenizer_in: str
     tokenizer_in: str
+    owners: tuple[str, ...] = ()  # empty: (tokenizer_in,)
+    peers: tuple[str, ...] = ()
 
     @classmethod
-    def create(cls) -> IpcAddrs:
+    def create(cls, num_workers: int = 1) -> IpcAddrs:
         root = tempfile.mkdtemp(prefix="sluice-")
-        return cls(root, *(f"ipc://{root}/{n}" for n in ("scheduler", "detokenizer", "tokenizer")))
+        base = (f"ipc://{root}/{n}" for n in ("scheduler", "detokenizer", "tokenizer"))
+        addrs = cls(root, *base)
+        if num_workers == 1:
+            return addrs
+        owners = (
+            addrs.tokenizer_in,
+            *(f"ipc://{root}/tokenizer-{i}" for i in range(1, num_workers)),
+        )
+        peers = tuple(f"ipc://{root}/peer-{i}" for i in range(num_workers))
+        return dataclasses.replace(addrs, owners=owners, peers=peers)
+
+    @property
+    def all_owners(self) -> tuple[str, ...]:
+        return self.owners or (self.tokenizer_in,)
+
+    @property
+    def has_detokenizer(self) -> bool:
+        return self.detokenizer_in not in self.all_owners
+
+    def for_worker(self, index: int) -> IpcAddrs:
+        """The addresses as HTTP worker `index` uses them (its own `tokenizer_in`)."""
+        return dataclasses.replace(self, tokenizer_in=self.all_owners[index])
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

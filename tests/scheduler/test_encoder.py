@@ -3,6 +3,9 @@ abort of waiting requests, and outputs that keep each request's own vector."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -200,7 +203,9 @@ def test_the_encoder_process_loop_answers_every_request_it_cannot_take(monkeypat
     s.flush_cache = lambda: 1 / 0  # type: ignore[method-assign]
     heartbeat = ipc.HeartbeatTimer(1e9)
     heartbeat.last = 1e18
-    loop = ModelLoop(EncoderCore(s, {}), None, None, heartbeat)
+    sent: list[Any] = []
+    outbox = SimpleNamespace(send=sent.append)  # what the loop sends, in order
+    loop = ModelLoop(EncoderCore(s, {}), None, outbox, heartbeat)
     no_ids = {"type": "TokenizedEmbeddingReqInput", "rid": "bad", "reply_to": "w"}
     inbox = [
         ipc.encode(BatchTokenizedEmbeddingReqInput([_req("ok", 3), _req("boom", 3)])),
@@ -209,9 +214,7 @@ def test_the_encoder_process_loop_answers_every_request_it_cannot_take(monkeypat
         msgspec.msgpack.encode({"type": "NoSuchMessage"}),
         ipc.encode(FlushCacheReq()),
     ]
-    sent: list = []
     monkeypatch.setattr(ipc, "recv_all", lambda sock, timeout: [inbox.pop(0)] if inbox else [])
-    monkeypatch.setattr(ipc, "send", lambda sock, msg: sent.append(msg))
     for _ in range(7):
         loop.run_once()
     assert sent.pop() == FlushCacheReply(False)

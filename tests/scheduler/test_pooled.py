@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -323,14 +324,14 @@ def test_process_loop_answers_pooled_messages(
 
     heartbeat = ipc.HeartbeatTimer(1e9)
     heartbeat.last = 1e18  # no beat during the test
-    loop = ModelLoop(DecoderCore(tiny_engine.scheduler, {}), None, None, heartbeat)  # no sockets
+    sent: list[Any] = []
+    outbox = SimpleNamespace(send=sent.append)  # what the loop sends, in order
+    loop = ModelLoop(DecoderCore(tiny_engine.scheduler, {}), None, outbox, heartbeat)
     batch = BatchTokenizedEmbeddingReqInput([req("m0", [5, 6, 7]), req("m1", [5, 6], [9])])
     inbox = [ipc.encode(batch), ipc.encode(req("m2", [])), b"\x81"]  # the last: truncated
     no_ids = {"type": "BatchTokenizedEmbeddingReqInput", "reqs": [{"rid": "m3", "reply_to": "w"}]}
     inbox.append(msgspec.msgpack.encode(no_ids))  # no input_ids
-    sent: list[Any] = []
     monkeypatch.setattr(ipc, "recv_all", lambda sock, timeout: [inbox.pop(0)] if inbox else [])
-    monkeypatch.setattr(ipc, "send", lambda sock, msg: sent.append(msg))
     for _ in range(6):
         loop.run_once()
     assert all(isinstance(m, BatchEmbeddingOutput) for m in sent)

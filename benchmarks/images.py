@@ -186,10 +186,11 @@ def main() -> None:
             url = base + "/v1/chat/completions"
             before = len(descendants(server.proc.pid))
             text_payloads = [chat_payload(QUESTIONS[i % 3] + f" ({i})", None) for i in range(n)]
-            run_load(url, text_payloads[:c], c)  # warm up the text path
+            run_load(url, text_payloads[: 4 * c], c)  # warm up the text path
             text = run_load(url, text_payloads, c)
             text_procs = len(descendants(server.proc.pid))
-            run_load(url, [chat_payload(QUESTIONS[0], images[-1])] * 2, 2)  # warm the pool
+            warm = [chat_payload(QUESTIONS[0], image) for image in images[-2:]]
+            run_load(url, warm * 2, 2)  # start the pool, warm the image path
             new = run_load(url, [chat_payload(QUESTIONS[i % 3], images[i]) for i in range(n)], c)
             fresh, repeated = asyncio.run(_pairs(url, images[n : n + args.repeats]))
             image_procs = len(descendants(server.proc.pid))

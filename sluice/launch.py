@@ -182,9 +182,11 @@ class ServingProcesses:
         if self._abandoned:
             return
         for index in range(1, self.args.tokenizer_worker_num):
+            # not daemonic: a worker's media pool starts processes of its own, which a daemonic
+            # process may not; _stop_children ends it like the others
             self._spawn(
                 ctx, f"http-{index}", run_http_worker, index, self.args, cfg, info, self.addrs,
-                self._encoders, self._encoder_infos,
+                self._encoders, self._encoder_infos, daemon=False,
             )  # fmt: skip
         if self.args.tokenizer_worker_num > 1:
             self._wait_ready()
@@ -211,10 +213,12 @@ class ServingProcesses:
                 info.model_name, info.context_len, info.dimensions, info.num_threads,
             )  # fmt: skip
 
-    def _spawn(self, ctx: Any, name: str, target: Callable[..., None], *args: Any) -> None:
+    def _spawn(
+        self, ctx: Any, name: str, target: Callable[..., None], *args: Any, daemon: bool = True
+    ) -> None:
         reader, writer = ctx.Pipe(duplex=False)
         process = ctx.Process(target=target, args=(*args, writer), name=f"sluice-{name}")
-        process.daemon = True
+        process.daemon = daemon
         process.start()
         writer.close()  # the child holds the only write end: its death reads as EOF here
         self._children.append(_Child(name, process, reader))

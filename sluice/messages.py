@@ -185,11 +185,15 @@ class BatchTokenizedEmbeddingReqInput(Message):
 
 class AbortReq(Message, omit_defaults=True):
     """HTTP → the scheduler, and → the detokenizer (which drops the rid's decode state).
-    `reason`: "client" (a disconnect or /abort_request) or "shutdown" (the drain ran out)."""
+    `reason`: "client" (a disconnect or /abort_request) or "shutdown" (the drain ran out).
+    `reply_to`: the aborting HTTP worker; only its own requests are aborted (another worker's
+    request with the same rid, which the scheduler refused as a duplicate, is left alone; the
+    other workers abort theirs when asked over their peer socket). Empty: whoever owns it."""
 
     rid: str = ""
     abort_all: bool = False
     reason: str = "client"
+    reply_to: str = ""
 
 
 class SetPausedReq(Message):

@@ -17,7 +17,9 @@ class DetokenizerManager:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._states: dict[str, IncrementalDetokenizer] = {}
+        # by (owner, rid): two HTTP workers' requests may share a client's rid (the scheduler
+        # refuses the second; its refusal must not end the first's state)
+        self._states: dict[tuple[str, str], IncrementalDetokenizer] = {}
         # one decode function per (skip_special_tokens, spaces_between_special_tokens)
         self._decode_fns: dict[tuple[bool, bool], DecodeFn] = {}
 
@@ -25,11 +27,12 @@ class DetokenizerManager:
         """Detokenizes one update; every field but the texts passes through unchanged."""
         texts = []
         for i, rid in enumerate(out.rids):
-            state = self._states.get(rid) or self._new_state(rid, out, i)
+            key = (out.reply_to[i], rid)
+            state = self._states.get(key) or self._new_state(key, out, i)
             finish = out.finished_reasons[i]
             texts.append(state.add(out.new_token_ids[i], finish))
             if finish is not None:
-                del self._states[rid]
+                del self._states[key]
         return BatchStrOutput(
             rids=out.rids,
             texts=texts,
@@ -44,13 +47,15 @@ class DetokenizerManager:
             input_top_logprobs=out.input_top_logprobs,
         )
 
-    def abort(self, rid: str) -> None:
-        self._states.pop(rid, None)
+    def abort(self, rid: str, owner: str) -> None:
+        self._states.pop((owner, rid), None)
 
     def num_states(self) -> int:
         return len(self._states)
 
-    def _new_state(self, rid: str, out: BatchTokenIDOutput, i: int) -> IncrementalDetokenizer:
+    def _new_state(
+        self, key: tuple[str, str], out: BatchTokenIDOutput, i: int
+    ) -> IncrementalDetokenizer:
         flags = (out.skip_special_tokens[i], out.spaces_between_special_tokens[i])
         decode_fn = self._decode_fns.get(flags)
         if decode_fn is None:
@@ -62,5 +67,5 @@ class DetokenizerManager:
             no_stop_trim=out.no_stop_trim[i],
             decode_fn=decode_fn,
         )
-        self._states[rid] = state
+        self._states[key] = state
         return state

@@ -81,7 +81,7 @@ class DetokenizerLoop:
             case BatchTokenIDOutput():
                 self.outbox.send(self._detokenize(msg), owners=msg.reply_to)
             case AbortReq():
-                self.manager.abort(msg.rid)
+                self.manager.abort(msg.rid, msg.reply_to)
             case InternalStateReply():
                 msg.num_detokenizer_states = self.manager.num_states()
                 self.outbox.send(msg)
@@ -93,8 +93,8 @@ class DetokenizerLoop:
             return self.manager.handle(out)
         except Exception as e:  # fail this batch's requests, keep serving the others
             logger.exception("detokenizing a batch of %d requests failed", len(out.rids))
-            for rid in out.rids:
-                self.manager.abort(rid)
+            for rid, owner in zip(out.rids, out.reply_to, strict=True):
+                self.manager.abort(rid, owner)
             return _failed_batch(out, f"detokenization failed: {e}")
 
 

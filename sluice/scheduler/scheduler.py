@@ -252,13 +252,14 @@ class Scheduler:
         return None
 
     def abort(self, msg: AbortReq) -> None:
-        """Mark the request(s) for the abort finish at the start of the next step; an unknown
-        or finished rid is ignored (it raced with its own finish)."""
+        """Mark the request(s) of the aborting worker (`msg.reply_to`; empty: any) for the abort
+        finish at the start of the next step; an unknown or finished rid is ignored (it raced
+        with its own finish)."""
         reason = _abort_reason(msg.reason)
         rids = list(self.reqs) if msg.abort_all else [msg.rid]
         for rid in rids:
             req = self.reqs.get(rid)
-            if req is not None:
+            if req is not None and msg.reply_to in ("", req.reply_to):
                 self._mark_abort(req, reason)
 
     def _mark_abort(self, req: Req, reason: FinishReason) -> None:

@@ -124,6 +124,7 @@ class ModelClient:
 
     def send_abort(self, msg: AbortReq) -> None:
         """To every process that may hold the rid's state: the scheduler and the detokenizer."""
+        msg.reply_to = self.reply_to
         ipc.send(self._to_scheduler, msg)
         if self._to_detokenizer is not None:
             ipc.send(self._to_detokenizer, msg)

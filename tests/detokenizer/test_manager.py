@@ -27,7 +27,7 @@ def batch(items: list[dict[str, Any]]) -> BatchTokenIDOutput:
         output_top_logprobs=[it.get("top_logprobs", []) for it in items],
         input_token_logprobs=[it.get("input_logprobs", []) for it in items],
         input_top_logprobs=[[] for _ in items],
-        reply_to=["ipc://tm0" for _ in items],
+        reply_to=[it.get("owner", "ipc://tm0") for it in items],
     )
 
 
@@ -62,8 +62,10 @@ def test_state_lives_until_finish_or_abort(tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     manager.handle(batch([{"rid": "x", "ids": ids[:1]}, {"rid": "y", "ids": ids[:1]}]))
     assert manager.num_states() == 2
-    manager.abort("x")
-    manager.abort("unknown")
+    manager.abort("x", "ipc://tm1")  # another worker's request of that rid: not this one
+    assert manager.num_states() == 2
+    manager.abort("x", "ipc://tm0")
+    manager.abort("unknown", "ipc://tm0")
     assert manager.num_states() == 1
     out = manager.handle(batch([{"rid": "y", "ids": ids[1:], "finish": LENGTH}]))
     assert out.texts == [" two three"]
@@ -120,3 +122,20 @@ def test_fields_pass_through_unchanged(tokenizer):
 def test_empty_batch(tokenizer):
     out = DetokenizerManager(tokenizer).handle(batch([]))
     assert out.rids == [] and out.texts == []
+
+
+def test_two_owners_of_one_rid_keep_their_own_state(tokenizer):
+    """Two HTTP workers' requests may carry the same client rid: the scheduler refuses the
+    second, and its refusal must not end (or take the text of) the first's state."""
+    manager = DetokenizerManager(tokenizer)
+    ids = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
+    manager.handle(batch([{"rid": "r", "ids": ids[:1], "owner": "ipc://tm0"}]))
+    refused = manager.handle(
+        batch([{"rid": "r", "ids": [], "finish": LENGTH, "owner": "ipc://tm1"}])
+    )
+    assert refused.texts == [""] and manager.num_states() == 1
+    out = manager.handle(
+        batch([{"rid": "r", "ids": ids[1:], "finish": LENGTH, "owner": "ipc://tm0"}])
+    )
+    assert out.texts == [tokenizer.decode(ids)[len(tokenizer.decode(ids[:1])) :]]
+    assert manager.num_states() == 0

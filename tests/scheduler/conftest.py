@@ -115,10 +115,17 @@ class RawDriver:
         self.sched = engine.scheduler
         self.results: dict[str, RawResult] = {}
 
-    def add(self, rid: str, input_ids: list[int], stream: bool = False, **params: Any) -> None:
+    def add(
+        self,
+        rid: str,
+        input_ids: list[int],
+        stream: bool = False,
+        reply_to: str = "",
+        **params: Any,
+    ) -> None:
         msg = TokenizedGenerateReqInput(
             rid=rid, input_ids=list(input_ids), sampling_params=parse_sampling_params(params),
-            stream=stream,
+            stream=stream, reply_to=reply_to,
         )  # fmt: skip
         self.results[rid] = RawResult()
         self.sched.add_request(msg)

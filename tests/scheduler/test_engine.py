@@ -320,6 +320,24 @@ def test_abort_all(chunk16_engine: Engine, raw: Any) -> None:
     )
 
 
+def test_an_abort_from_another_worker_leaves_the_request_alone(
+    chunk16_engine: Engine, raw: Any
+) -> None:
+    """Two HTTP workers may send the same client rid; the scheduler refuses the second, and
+    that worker's abort of "its" rid (its client gone) must not end the first worker's."""
+    driver = raw(chunk16_engine)
+    driver.add("r", [11, 12, 13], reply_to="ipc://w0", **greedy(8))
+    driver.step()
+    chunk16_engine.scheduler.abort(AbortReq(rid="r", reply_to="ipc://w1"))
+    driver.run()
+    assert driver.results["r"].finish.type == "length"
+    driver.add("s", [11, 12, 13], reply_to="ipc://w0", **greedy(8))
+    driver.step()
+    chunk16_engine.scheduler.abort(AbortReq(rid="s", reply_to="ipc://w0"))  # its own worker
+    driver.run()
+    _assert_aborted(driver.results["s"], 8)
+
+
 def test_abort_of_unknown_or_finished_rid_is_harmless(chunk16_engine: Engine, raw: Any) -> None:
     driver = raw(chunk16_engine)
     driver.add("done", [1, 2, 3], **greedy(2))

@@ -234,11 +234,12 @@ def test_abort_storm_leaves_nothing_in_any_worker(three: LiveServer) -> None:
                     for c, body in zip(clients, bodies, strict=True)
                 ]
                 await _waiting(three, num)
-                for i in range(0, num, 3):  # by rid, each on a new connection
-                    async with httpx.AsyncClient(base_url=three.base, timeout=60) as one:
+                for k, i in enumerate(range(0, num, 3)):  # by rid, through each worker in turn
+                    one, _ = await _aclient_on(three.base, lambda w, k=k: w == k % 3)
+                    async with contextlib.aclosing(one):
                         resp = await one.post("/abort_request", json={"rid": f"st{i}"})
-                        assert resp.json()["num_aborted"] == 1, (i, resp.text)
-                        served.add(int(resp.headers[HEADER]))
+                    assert resp.json()["num_aborted"] == 1, (i, resp.text)
+                    served.add(int(resp.headers[HEADER]))
                 await _waiting(three, num - num // 3)
                 for i in range(1, num, 3):
                     calls[i].cancel()
@@ -263,6 +264,75 @@ def test_abort_storm_leaves_nothing_in_any_worker(three: LiveServer) -> None:
         name = f'sluice_request_aborts_total{{cause="{cause}"}}'
         assert metric(after, name) - metric(before, name) == count, cause
     assert metric(after, "sluice_unknown_rid_outputs_total") == 0
+
+
+def test_the_same_rid_on_two_workers_leaves_the_first_request_whole(two: LiveServer) -> None:
+    """A client rid streaming through one worker, sent again through another: the second is a
+    400, and the first keeps its decode state (the detokenizer keys it by its worker)."""
+    body = {"text": "Tell me a long story.", "rid": "dup", "sampling_params": HELD}
+
+    def detokenizer_states() -> int:
+        return _info(two)["internal_state"]["num_detokenizer_states"]
+
+    async def go() -> tuple[list[int], httpx.Response, dict[str, Any]]:
+        first, owner = await _aclient_on(two.base, lambda w: True)
+        second, _ = await _aclient_on(two.base, lambda w: w != owner)
+        counts = []
+        try:
+            async with first.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:"):
+                        break  # "dup" has streamed: its decode state exists
+                await set_paused(first, True)  # held in place from here
+                counts.append(await asyncio.to_thread(detokenizer_states))
+                again = await second.post("/generate", json=body)
+                counts.append(await asyncio.to_thread(detokenizer_states))
+                aborted = (await first.post("/abort_request", json={"rid": "dup"})).json()
+        finally:
+            await set_paused(first, False)
+            await first.aclose()
+            await second.aclose()
+        return counts, again, aborted
+
+    counts, again, aborted = asyncio.run(go())
+    assert again.status_code == 400 and "dup" in again.text, again.text
+    assert counts == [1, 1]  # the refusal did not end the first request's state
+    assert aborted == {"success": True, "num_aborted": 1}
+    _assert_idle(two, 2)
+
+
+def test_images_through_every_worker(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str
+) -> None:
+    """Each worker runs its own media pool (a worker is not a daemonic process, which could not
+    start one); the same image gives the same greedy tokens through either."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from tests.tiny_models import make_tiny_llava
+
+    path = make_tiny_llava(tmp_path_factory.mktemp("workers_llava"), tokenizer_dir=smollm2_hf_dir)
+    pixels = np.random.default_rng(3).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = {"text": "<image> What is it?", "image_data": url,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    log = tmp_path_factory.mktemp("workers_images") / "server.log"
+    args = ["--tokenizer-worker-num", "2", "--dtype", "float32", "--log-level", "warning"]
+    with running_server(path, args, log) as srv:
+        outputs = {}
+        while len(outputs) < 2:
+            client, worker = _client_on(srv.base, lambda w: w not in outputs)
+            with contextlib.closing(client):
+                resp = client.post("/generate", json=body)
+            assert resp.status_code == 200, resp.text
+            outputs[worker] = resp.json()["output_ids"]
+        assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+        assert_no_state_left(srv.wait_idle(timeout=20))
 
 
 # ---------------------------------------------------------------------------- sessions, control

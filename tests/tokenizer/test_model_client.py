@@ -77,7 +77,9 @@ def test_outputs_go_to_their_handler_and_replies_to_their_callers_in_order(peer:
         first = asyncio.create_task(client.control(FlushCacheReq(), FlushCacheReply))
         second = asyncio.create_task(client.control(FlushCacheReq(), FlushCacheReply))
         await asyncio.sleep(0.05)
-        assert peer.received(peer.scheduler) == [FlushCacheReq(), FlushCacheReq()]
+        # each carries this client's address: its reply comes back here, whichever worker it is
+        flush = FlushCacheReq(reply_to=client.reply_to)
+        assert peer.received(peer.scheduler) == [flush, flush]
         assert not client.heartbeat_seen
         for msg in (FlushCacheReply(True), output, FlushCacheReply(False)):
             ipc.send(peer.back, msg)
@@ -113,15 +115,16 @@ def test_aborts_reach_the_detokenizer_only_where_there_is_one(peer: Peer) -> Non
     async def go() -> None:
         client = await _started(peer)
         client.send_abort(AbortReq(rid="a"))
-        assert peer.received(peer.scheduler) == [AbortReq(rid="a")]
-        assert peer.received(peer.detokenizer) == [AbortReq(rid="a")]
+        mine = AbortReq(rid="a", reply_to=client.reply_to)  # only this worker's request
+        assert peer.received(peer.scheduler) == [mine]
+        assert peer.received(peer.detokenizer) == [mine]
         await client.close()
         # an encoder's scheduler answers straight to the client: no detokenizer
         addrs = dataclasses.replace(peer.addrs, detokenizer_in=peer.addrs.tokenizer_in)
         peer.back.close(linger=0)
         encoder = await _started(peer, addrs)
         encoder.send_abort(AbortReq(rid="b"))
-        assert peer.received(peer.scheduler) == [AbortReq(rid="b")]
+        assert peer.received(peer.scheduler) == [AbortReq(rid="b", reply_to=encoder.reply_to)]
         assert peer.received(peer.detokenizer) == []
         await encoder.close()
 

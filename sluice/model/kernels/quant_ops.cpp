@@ -44,6 +44,10 @@ namespace {
 
 constexpr int64_t QK = 32;   // values per block, all three types
 constexpr int ROWS = 8;      // rows of x computed together (one pass over the weight)
+// How far ahead of its reads a weight row is prefetched, into L1 and (further) into L2: the
+// hardware's prefetchers alone left one core at about half its streaming speed here (Xeon model
+// 207; 2048-4096 measured alike for L1, 6144 and 12288 for L2).
+constexpr int64_t PREFETCH_L1_BYTES = 2048, PREFETCH_L2_BYTES = 6144;
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -136,6 +140,17 @@ inline void dequant_block(const uint8_t* b, v16f& lo, v16f& hi) {
   }
 }
 
+// The weight bytes ahead of p (never faults, even past the end of the weight).
+inline __attribute__((always_inline)) void prefetch(const uint8_t* p) {
+#if defined(__x86_64__)
+  _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_L1_BYTES, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_L2_BYTES, _MM_HINT_T1);
+#else
+  __builtin_prefetch(p + PREFETCH_L1_BYTES);
+  __builtin_prefetch(p + PREFETCH_L2_BYTES, 0, 2);
+#endif
+}
+
 inline float hsum(v16f v) {
   const v16f a = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   const v16f b = a + __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -165,8 +180,10 @@ void gemv_rows(const float* x, const uint8_t* w, const float* bias, Out* y, int6
     const uint8_t* rows = w + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       v16f lo[OUT_GROUP], hi[OUT_GROUP];
-      for (int g = 0; g < OUT_GROUP; ++g)
+      for (int g = 0; g < OUT_GROUP; ++g) {
+        prefetch(rows + g * row_bytes + b * block_bytes(T));
         dequant_block<T>(rows + g * row_bytes + b * block_bytes(T), lo[g], hi[g]);
+      }
       for (int m = 0; m < M; ++m) {
         const v16f xl = load16(x + m * K + b * QK), xh = load16(x + m * K + b * QK + 16);
         for (int g = 0; g < OUT_GROUP; ++g) acc[g][m] += lo[g] * xl + hi[g] * xh;
@@ -308,7 +325,7 @@ void quantize_x(const In* x, int64_t K, QuantX& qx) {
 // values, and their scales: d = [d_b x8, d_b+1 x8]; m_b, m_b+1 written to m (Q4_1), or d_b,
 // d_b+1 (Q4_0, Q8_0: m = MIN_PER_D * d).
 template <int64_t T>
-inline __m512i load_pair(const uint8_t* blk, bool second, __m512& d, float* m) {
+inline __attribute__((always_inline)) __m512i load_pair(const uint8_t* blk, bool second, __m512& d, float* m) {
   const uint8_t* b1 = blk + block_bytes(T);
   __m512i z;
   if constexpr (T == Q8_0) {
@@ -370,7 +387,10 @@ inline __attribute__((always_inline)) void ipair(const uint8_t* const* blk, floa
   __m512i z[G];
   __m512 d[G];
 #pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) z[g] = load_pair<T>(blk[g], SECOND, d[g], mrow[g]);
+  for (int g = 0; g < G; ++g) {
+    prefetch(blk[g]);
+    z[g] = load_pair<T>(blk[g], SECOND, d[g], mrow[g]);
+  }
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
     const __m512i xv = _mm512_load_si512(xq + m * q_stride);
@@ -441,7 +461,7 @@ void igemv_rows(const QuantX& qx, int64_t m_first, const uint8_t* w, const float
 
 // One block as 32 u8 values (or, for Q8_0 without dpbusd, |q|, with *sign = q), d and m.
 template <int64_t T>
-inline __m256i load_block(const uint8_t* blk, float& d, float& m, __m256i* sign) {
+inline __attribute__((always_inline)) __m256i load_block(const uint8_t* blk, float& d, float& m, __m256i* sign) {
   d = fp16_to_float(blk);
   if constexpr (T == Q8_0) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));

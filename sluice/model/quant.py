@@ -48,7 +48,7 @@ class QuantLinear(nn.Module):
     With bfloat16 x the kernel rounds each 32-value block of x to int8 with a float scale and
     takes integer dot products (VNNI where the CPU has it), as llama.cpp does: y then differs
     from the float result by at most sum_k |w_k| * scale_b(k) / 2 (scale_b = max |x| / 127 over
-    x's block), and is about twice as fast at one row. float32 x always takes the float path,
+    x's block), and is 1.6-1.8x as fast at one row on Q4_1 (1.1-1.3x on Q8_0). float32 x always takes the float path,
     exact up to float32 rounding. SLUICE_QUANT_INT8_ACT=0 (read when the layer is made) keeps
     bfloat16 x on the float path too."""
 

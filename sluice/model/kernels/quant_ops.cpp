@@ -22,7 +22,8 @@
 //
 // bfloat16 x may instead take the integer path (`int8_activations`, below): x rounded to int8
 // per 32-value block, integer dot products (AVX-512 VNNI, AVX-VNNI, AVX2 maddubs or scalar),
-// about twice the float path's speed at one row, within sum_k |w_k| dx_b(k) / 2 of its result.
+// 1.6-1.8x the float path's speed on Q4_1 at one row (1.1-1.3x on Q8_0; one thread of the Xeon
+// model 207, weights streamed), within sum_k |w_k| dx_b(k) / 2 of its result.
 // float32 x always takes the float path, so float32 results stay exact up to float rounding.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

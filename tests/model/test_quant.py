@@ -120,10 +120,10 @@ def test_quant_linear_matches_dequantize_then_matmul(ops, qtype, m, k, n, dtype)
 
 
 # M = 1..8 (one tile) and 13 (two); K = 32 * an odd number of blocks in most (a pair of blocks
-# a 512-bit register: the last one alone)
+# a 512-bit register: the last one alone); K = 2208: the minimums of a row on the heap
 INT8_SHAPES = [
     (1, 32, 5), (2, 96, 33), (3, 576, 193), (4, 160, 20), (5, 1536, 70), (6, 64, 7),
-    (7, 224, 64), (8, 608, 9), (13, 96, 21),
+    (7, 224, 64), (8, 608, 9), (13, 96, 21), (2, 2208, 5),
 ]  # fmt: skip
 
 

@@ -30,6 +30,12 @@ ENV_VARS: dict[str, EnvVar] = {
         "build and use sluice's C++ CPU kernels (attention, linear layers of a few rows, fused "
         "norm, SiLU, rotary); 0: PyTorch ops only",
     ),
+    "SLUICE_QUANT_INT8_ACT": EnvVar(
+        "1",
+        "block-weight layers (GGUF Q8_0/Q4_0/Q4_1, --quantization gguf/int8/int4) with bfloat16 "
+        "activations round them to int8 per block of 32 and use integer dot products (VNNI); 0: "
+        "the float path (float32 activations always take it)",
+    ),
     "SLUICE_CUDA_SDPA": EnvVar(
         "flash,efficient,math",
         "the attention kernels PyTorch's SDPA may choose from on CUDA, comma-separated, of "

@@ -14,6 +14,9 @@ Tolerances: the kernel dequantizes exactly the values gguf does (up to one round
 d * q + m, which it may fuse) and sums K products in float32, so against a float64 reference its
 error is within (K + 2) * 2^-24 * sum_k |x_k w_k| (the classic bound for a sum of K rounded
 terms, plus the dequantization's rounding); bfloat16 output adds its own rounding, 2^-8 |y|.
+With int8 activations (bfloat16 x, `int8_activations=True`) x is rounded to int8 per block of
+32 first: the bound becomes sum_k |w_k| dx_b(k) / 2 plus float terms (`_int8_bound`), for each
+build of the integer path (AVX-512 VNNI, AVX-VNNI, AVX2 maddubs, scalar).
 """
 
 from __future__ import annotations
@@ -60,8 +63,35 @@ def avx2_ops(native_ops):
     return ops
 
 
+@pytest.fixture(scope="module")
+def avx2_maddubs_ops(native_ops):
+    """Built for an AVX2 CPU without AVX-VNNI (AMD Zen 3): the integer path's maddubs variant."""
+    if "avx2" not in cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    if native_ops.int8_isa == "avx2":
+        return native_ops
+    ops = _build("sluice_quant_ops_avx2_maddubs", QUANT_SOURCE, ("-mno-avx512f", "-mno-avxvnni"))
+    assert ops.int8_isa == "avx2"
+    return ops
+
+
+@pytest.fixture(scope="module")
+def generic_ops(native_ops):
+    """Built without AVX: the scalar paths (and the software fp16 conversion)."""
+    if native_ops.isa == "generic":
+        return native_ops
+    ops = _build("sluice_quant_ops_generic", QUANT_SOURCE, ("-mno-avx",))
+    assert ops.isa == "generic" and ops.int8_isa == "generic"
+    return ops
+
+
 @pytest.fixture(params=["native", "avx2"])
 def ops(request):
+    return request.getfixturevalue(f"{request.param}_ops")
+
+
+@pytest.fixture(params=["native", "avx2", "avx2_maddubs", "generic"])
+def int8_ops(request):
     return request.getfixturevalue(f"{request.param}_ops")
 
 
@@ -87,6 +117,79 @@ def test_quant_linear_matches_dequantize_then_matmul(ops, qtype, m, k, n, dtype)
         bound = bound + 2.0**-8 * ref.abs()
     err = (y.double() - ref).abs()
     assert (err <= bound + 1e-30).all(), f"max error {err.max():.3g}, bound {bound.min():.3g}"
+
+
+# M = 1..8 (one tile) and 13 (two); K = 32 * an odd number of blocks in most (a pair of blocks
+# a 512-bit register: the last one alone); K = 2208: the minimums of a row on the heap
+INT8_SHAPES = [
+    (1, 32, 5), (2, 96, 33), (3, 576, 193), (4, 160, 20), (5, 1536, 70), (6, 64, 7),
+    (7, 224, 64), (8, 608, 9), (13, 96, 21), (2, 2208, 5),
+]  # fmt: skip
+
+
+def _int8_bound(x: torch.Tensor, raw: torch.Tensor, w: torch.Tensor, qtype) -> torch.Tensor:
+    """The integer path's error bound against x @ w^T in float64, [M, N].
+
+    Per block b of 32 values the kernel rounds x to x^_j = dx_b q_j, dx_b = max|x| / 127, q_j
+    in [-127, 127], so |x_j - x^_j| <= dx_b / 2 (times 1 + 2^-14 for the rounding of x * 127 /
+    max|x|), and computes sum_j w_j x^_j with w_j = d_b u_j + m_b as
+        sum_b d_b dx_b (sum_j u_j q_j) + m_b (dx_b sum_j q_j),
+    the integer sums exact. Each term is rounded a few times and the nb terms and 16 lanes are
+    summed in float32: within (nb + 10) 2^-24 times the sum of their magnitudes, which is at
+    most sum_j (|w_j| + 2 |m_b|) |x^_j| since |d_b u_j| <= |w_j| + |m_b|, with |x^_j| <= max|x|.
+    So |y - x w^T| <= sum_j |w_j| dx_b / 2 (1 + 2^-14)
+                      + (nb + 10) 2^-24 sum_j (|w_j| + 2 |m_b|) max_b|x| (1 + 2^-20)."""
+    m, k = x.shape
+    n, nb = w.shape[0], k // 32
+    blocks = raw.numpy().reshape(n, nb, -1)
+    d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16).astype(np.float64))[..., 0]
+    if qtype == T.Q4_1:
+        mins = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64))
+        mins = mins[..., 0]
+    else:
+        mins = d * (-8.0 if qtype == T.Q4_0 else -128.0)
+    amax = x.double().view(m, nb, 32).abs().amax(-1)  # [M, nb]
+    w_abs = w.abs().view(n, nb, 32).sum(-1)  # [N, nb]
+    rounding = (amax / 127 / 2 * (1 + 2**-14)) @ w_abs.T
+    floats = (nb + 10) * 2.0**-24 * (1 + 2**-20) * (amax @ (w_abs + 64 * mins.abs()).T)
+    return rounding + floats
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,k,n", INT8_SHAPES)
+def test_int8_activations_within_the_rounding_bound(int8_ops, qtype, m, k, n) -> None:
+    raw, w = _blocks(n, k, qtype, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + n)).bfloat16()
+    x[0, :32] *= 100  # blocks of very different scales
+    if k >= 64:
+        x[-1, 32:64] = 0  # a block of zeros: dx = 0
+    bias = torch.randn(n)
+    y = int8_ops.quant_linear(x, raw, int(qtype), bias, True)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = x.double() @ w.T + bias.double()
+    bound = _int8_bound(x, raw, w, qtype) + 2.0**-24 * bias.abs().double() + 2.0**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max error / bound {(err / bound).max():.3g}"
+    if m * n >= 64:  # not the float path: x really was rounded
+        assert not torch.equal(y, int8_ops.quant_linear(x, raw, int(qtype), bias, False))
+
+
+def test_int8_activations_leave_float32_x_exact(native_ops) -> None:
+    raw, _ = _blocks(40, 96, T.Q4_1)
+    x = torch.randn(3, 96)
+    a = native_ops.quant_linear(x, raw, int(T.Q4_1), None, True)
+    assert torch.equal(a, native_ops.quant_linear(x, raw, int(T.Q4_1), None, False))
+
+
+def test_quant_linear_module_takes_the_int8_path_unless_turned_off(native_ops, monkeypatch) -> None:
+    raw, _ = _blocks(33, 64, T.Q4_1)
+    x = torch.randn(2, 64).bfloat16()
+    on = QuantLinear(raw, int(T.Q4_1), 64, None, native_ops)  # the default: on
+    monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "0")
+    off = QuantLinear(raw, int(T.Q4_1), 64, None, native_ops)
+    assert on.int8_activations and not off.int8_activations
+    assert torch.equal(on(x), native_ops.quant_linear(x, raw, int(T.Q4_1), None, True))
+    assert torch.equal(off(x), native_ops.quant_linear(x, raw, int(T.Q4_1), None, False))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

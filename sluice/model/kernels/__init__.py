@@ -67,8 +67,9 @@ def cpu_ops() -> Any | None:
 @functools.cache
 def quant_ops() -> Any | None:
     """The compiled module of the quantized-weight kernels (`quant_ops.cpp`: `quant_linear(x, w,
-    type, bias=None)`, `dequantize(w, type, K, dtype)`, the ggml type ids in `types`), built and
-    cached as `cpu_ops()`; None when it cannot be had."""
+    type, bias=None, int8_activations=False)`, `dequantize(w, type, K, dtype)`, the ggml type ids
+    in `types`, the integer path's instruction set in `int8_isa`), built and cached as
+    `cpu_ops()`; None when it cannot be had."""
     return _optional_build("sluice_quant_ops", QUANT_SOURCE, "quantized-weight kernels", "")
 
 

@@ -1,0 +1,139 @@
+"""The block-weight kernel (`quant_ops.quant_linear`) with bfloat16 x: the float path against the
+integer path (x rounded to int8 per block, VNNI dot products), on SmolLM2-135M's shapes.
+
+For each shape (K in, N out) and row count M, both paths run in this process, interleaved, over
+enough copies of the weight (random values in the type's blocks) that they do not fit in the
+caches, as in decoding, where every layer's weight is read once per token. Prints the median
+GB/s of weight bytes read of each (over `--reps` timings), and new / old.
+
+    .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--reps 7] [--types Q4_1,Q8_0]
+
+`--engine` instead measures single-stream decode through the in-process `sluice.Engine` (the
+default model, --quantization gguf, dtype auto): one Engine made with SLUICE_QUANT_INT8_ACT=0
+(old) and one with it 1 (new), then, `--reps` times in turn, one chat prompt decoded for 128
+greedy tokens (EOS ignored) on each; decode tok/s leaves out the prefill (a 1-token run's time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from sluice.model.kernels import quant_ops
+from sluice.model.quant import BLOCK_TYPES, BLOCK_VALUES
+
+SHAPES = [  # (K, N, name)
+    (576, 960, "qkv"), (576, 576, "o"), (576, 3072, "gate_up"), (1536, 576, "down"),
+    (576, 49152, "lm_head"),
+]  # fmt: skip
+TYPE_IDS = {name: qtype for qtype, (name, _) in BLOCK_TYPES.items()}
+STREAM_BYTES = 64 << 20  # the copies of a weight one timing cycles through
+
+
+def random_blocks(n: int, k: int, qtype: int, rng: np.random.Generator) -> torch.Tensor:
+    """[n, k] weights of random blocks: random bytes with a small fp16 scale (and minimum)."""
+    block = BLOCK_TYPES[qtype][1]
+    raw = rng.integers(0, 256, size=(n, k // BLOCK_VALUES, block), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.01, size=(n, k // BLOCK_VALUES, 2)).astype(np.float16)
+    header = 4 if qtype == 3 else 2
+    raw[:, :, :header] = scales.view(np.uint8).reshape(n, k // BLOCK_VALUES, 4)[:, :, :header]
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def time_path(ops, x, weights, qtype, int8: bool, min_s: float = 0.05) -> float:
+    """Seconds per call, cycling through `weights`."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        for w in weights:
+            ops.quant_linear(x, w, qtype, None, int8)
+        calls += len(weights)
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return elapsed / calls
+
+
+def engine_decode(reps: int, threads: int, output_len: int = 128) -> None:
+    import os
+
+    from sluice import Engine
+
+    engines = {}
+    for name, flag in (("old", "0"), ("new", "1")):
+        os.environ["SLUICE_QUANT_INT8_ACT"] = flag  # read as the layers are made
+        engines[name] = Engine(
+            quantization="gguf", num_threads=threads, embedding_model_path="none"
+        )
+    os.environ.pop("SLUICE_QUANT_INT8_ACT")
+    messages = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+    tokenizer = engines["new"].tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+    one = {**params, "max_new_tokens": 1}
+    print(f"single stream, {len(ids)} prompt tokens, {output_len} out; "
+          f"dtype {engines['new'].resources.dtype}; medians of {reps}")  # fmt: skip
+    tps: dict[str, list[float]] = {"old": [], "new": []}
+    texts = {}
+    for _ in range(reps):
+        for name, engine in engines.items():
+            engine.generate(input_ids=ids, sampling_params=one)  # warm, and the prefill's time
+            t0 = time.perf_counter()
+            engine.generate(input_ids=ids, sampling_params=one)
+            prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = engine.generate(input_ids=ids, sampling_params=params)
+            tps[name].append((output_len - 1) / (time.perf_counter() - t0 - prefill))
+            texts[name] = out["output_ids"]
+    old, new = statistics.median(tps["old"]), statistics.median(tps["new"])
+    print(f"old (float path) {old:.1f} tok/s {[round(t, 1) for t in tps['old']]}")
+    print(f"new (int8 path)  {new:.1f} tok/s {[round(t, 1) for t in tps['new']]}")
+    agree = next(
+        (i for i, (a, b) in enumerate(zip(texts["old"], texts["new"], strict=True)) if a != b), None
+    )
+    print(f"new/old {new / old:.2f}; greedy tokens the same for the first "
+          f"{output_len if agree is None else agree} of {output_len}")  # fmt: skip
+    for engine in engines.values():
+        engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--types", default="Q4_1,Q8_0")
+    parser.add_argument("--rows", default="1,4")
+    parser.add_argument("--engine", action="store_true", help="single-stream decode instead")
+    args = parser.parse_args()
+    if args.engine:
+        return engine_decode(args.reps, args.threads)
+    torch.set_num_threads(args.threads)
+    ops = quant_ops()
+    if ops is None:
+        raise SystemExit("the quantized-weight kernels did not build")
+    print(f"integer path: {ops.int8_isa}; threads {args.threads}; medians of {args.reps}")
+    print(f"{'type':5} {'shape':>16} {'M':>2} {'old GB/s':>9} {'new GB/s':>9} {'new/old':>8}")
+    rng = np.random.default_rng(0)
+    for type_name in args.types.split(","):
+        qtype = TYPE_IDS[type_name]
+        for k, n, name in SHAPES:
+            w0 = random_blocks(n, k, qtype, rng)
+            copies = max(1, -(-STREAM_BYTES // w0.numel()))
+            weights = [w0] + [random_blocks(n, k, qtype, rng) for _ in range(copies - 1)]
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, k).bfloat16()
+                old, new = [], []
+                for _ in range(args.reps):  # interleaved: drift hits both alike
+                    old.append(time_path(ops, x, weights, qtype, False))
+                    new.append(time_path(ops, x, weights, qtype, True))
+                t_old, t_new = statistics.median(old), statistics.median(new)
+                gbs = w0.numel() / 1e9
+                print(f"{type_name:5} {name:>7} {k:4}x{n:<5} {m:2} {gbs / t_old:9.2f} "
+                      f"{gbs / t_new:9.2f} {t_old / t_new:8.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -146,16 +146,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=16, help="new/repeat pairs of `repeat`")
     p.add_argument("--image-size", default="1600x1200", help="W x H of every image")
     p.add_argument("--model", default=None, help="a vision-language checkpoint (default: tiny)")
+    p.add_argument(
+        "--tower", default="32/8",
+        help="IMAGE_SIZE/PATCH of the tiny model's CLIP tower: 32/8 (the tests', 16 image "
+        "positions) or e.g. 224/14 (a ViT-B/14 geometry, 256 positions; the tiny text model takes 512)",
+    )  # fmt: skip
     p.add_argument("--sluice-args", default="", help="more `sluice serve` flags")
     p.add_argument("--max-load", type=float, default=0.5)
     return p.parse_args()
 
 
-def tiny_llava(out: str) -> str:
+def tiny_llava(out: str, tower: str = "32/8") -> str:
     from sluice.checkpoint.hf_dir import default_model_path, prepare_hf_dir
     from tests.tiny_models import make_tiny_llava
 
-    return make_tiny_llava(out, tokenizer_dir=prepare_hf_dir(default_model_path()))
+    size, patch = (int(v) for v in tower.split("/"))
+    return make_tiny_llava(
+        out, tokenizer_dir=prepare_hf_dir(default_model_path()),
+        vision_overrides={"image_size": size, "patch_size": patch},
+    )  # fmt: skip
 
 
 def print_run(name: str, run: Run, unit: str) -> None:
@@ -174,8 +183,9 @@ def main() -> None:
     load = wait_for_quiet(args.max_load, tries=6)
     print(f"machine: {cpu_model()}, load average {load:.2f} at start")
     with tempfile.TemporaryDirectory(prefix="bench-images-") as tmp:
-        model = args.model or tiny_llava(tmp)
-        print(f"model: {model}; images {width}x{height} JPEG; {MAX_TOKENS} output tokens")
+        model = args.model or tiny_llava(tmp, args.tower)
+        tower = "" if args.model else f" (tiny LLaVA, CLIP tower {args.tower})"
+        print(f"model: {model}{tower}; images {width}x{height} JPEG; {MAX_TOKENS} output tokens")
         images = [jpeg_data_uri(seed, width, height) for seed in range(n + args.repeats + 2)]
         kb = np.mean([len(i) * 3 / 4 / 1024 for i in images])
         print(f"{len(images)} images made, {kb:.0f} KB each on average")

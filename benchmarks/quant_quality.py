@@ -80,13 +80,17 @@ def measure(model: str, mode: str, dtype: str) -> dict:
             for p in PROMPTS
         ]
         greedy = [o["output_ids"] for o in engine.generate(chats, GREEDY)]
+        # one at a time: a decode step of one row, where the block kernels run (the batch of
+        # 16 above, like the prompt logprobs, runs on the float copies)
+        single = [engine.generate(c, GREEDY)["output_ids"] for c in chats]
         one = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
         engine.generate(chats[0], {**one, "max_new_tokens": 8})  # warm-up
         start = time.perf_counter()
         engine.generate(chats[0], one)
         tok_s = 64 / (time.perf_counter() - start)
     gc.collect()
-    return {"logprobs": logprobs, "greedy": greedy, "tok_s": tok_s, "num_tokens": len(ids)}
+    return {"logprobs": logprobs, "greedy": greedy, "single": single, "tok_s": tok_s,
+            "num_tokens": len(ids)}  # fmt: skip
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -115,16 +119,20 @@ def main() -> None:
     ref = results[modes[0]]
     print(f"\nreference: --quantization {modes[0]}; fixed text of {ref['num_tokens']} tokens; "
           f"{len(PROMPTS)} prompts x {GREEDY['max_new_tokens']} greedy tokens")  # fmt: skip
-    print(f"{'mode':<6} {'mean |dlogprob|':>15} {'max':>7} {'greedy equal':>12} "
-          f"{'common prefix':>13} {'tok/s':>7}")  # fmt: skip
+    print(f"{'mode':<6} {'mean |dlogprob|':>15} {'max':>7} {'batch: equal':>12} "
+          f"{'prefix':>6} {'1-stream: equal':>15} {'prefix':>6} {'tok/s':>7}")  # fmt: skip
     for mode in modes:
         r = results[mode]
         diffs = [abs(a - b) for a, b in zip(r["logprobs"], ref["logprobs"], strict=True)]
-        equal = sum(a == b for a, b in zip(r["greedy"], ref["greedy"], strict=True))
-        prefix = [common_prefix(a, b) for a, b in zip(r["greedy"], ref["greedy"], strict=True)]
+        cells = []
+        for key in ("greedy", "single"):
+            pairs = list(zip(r[key], ref[key], strict=True))
+            equal = sum(a == b for a, b in pairs)
+            prefix = sum(common_prefix(a, b) for a, b in pairs) / len(pairs)
+            cells.append(f"{equal:>7d} / {len(PROMPTS):<2d} {prefix:6.1f}")
         print(
-            f"{mode:<6} {sum(diffs) / len(diffs):15.4f} {max(diffs):7.3f} "
-            f"{equal:>7d} / {len(PROMPTS):<2d} {sum(prefix) / len(prefix):13.1f} {r['tok_s']:7.1f}"
+            f"{mode:<6} {sum(diffs) / len(diffs):15.4f} {max(diffs):7.3f} {cells[0]:>12} "
+            f"{cells[1]:>22} {r['tok_s']:7.1f}"
         )
 
 

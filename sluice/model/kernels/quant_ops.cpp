@@ -222,21 +222,28 @@ void gemv_tile(int rows, const float* x, const uint8_t* w, const float* bias, Ou
   }
 }
 
-// Every row of x, ROWS at a time; the threads split the output rows (in chunks of 64, so a
-// chunk's weight bytes stay in cache while the tiles of x pass over them).
-template <int64_t T, typename Out>
-void gemm_impl(const float* x, const uint8_t* w, const float* bias, Out* y, int64_t M, int64_t K,
-               int64_t N) {
+// Every row of x, ROWS at a time: tile(rows, m, n0, n1) for each tile of rows m.. and output
+// columns n0..n1. The threads split the output columns in chunks of 64, so a chunk's weight
+// bytes stay in cache while the tiles of x pass over them.
+template <typename Tile>
+void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
   constexpr int64_t CHUNK = 64;
   const int64_t chunks = (N + CHUNK - 1) / CHUNK;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * CHUNK, n1 = std::min(N, n0 + CHUNK);
       for (int64_t m = 0; m < M; m += ROWS) {
-        const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - m));
-        gemv_tile<T>(rows, x + m * K, w, bias, y + m * N, K, N, n0, n1);
+        tile(static_cast<int>(std::min<int64_t>(ROWS, M - m)), m, n0, n1);
       }
     }
+  });
+}
+
+template <int64_t T, typename Out>
+void gemm_impl(const float* x, const uint8_t* w, const float* bias, Out* y, int64_t M, int64_t K,
+               int64_t N) {
+  for_each_tile(M, N, [&](int rows, int64_t m, int64_t n0, int64_t n1) {
+    gemv_tile<T>(rows, x + m * K, w, bias, y + m * N, K, N, n0, n1);
   });
 }
 
@@ -593,16 +600,8 @@ void igemv_tile(int rows, const QuantX& qx, int64_t m0, const uint8_t* w, const 
 template <int64_t T, typename Out>
 void igemm_impl(const QuantX& qx, const uint8_t* w, const float* bias, Out* y, int64_t M,
                 int64_t K, int64_t N) {
-  constexpr int64_t CHUNK = 64;
-  const int64_t chunks = (N + CHUNK - 1) / CHUNK;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n0 = c * CHUNK, n1 = std::min(N, n0 + CHUNK);
-      for (int64_t m = 0; m < M; m += ROWS) {
-        const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - m));
-        igemv_tile<T>(rows, qx, m, w, bias, y + m * N, K, N, n0, n1);
-      }
-    }
+  for_each_tile(M, N, [&](int rows, int64_t m, int64_t n0, int64_t n1) {
+    igemv_tile<T>(rows, qx, m, w, bias, y + m * N, K, N, n0, n1);
   });
 }
 

@@ -43,7 +43,10 @@ class QuantLinear(nn.Module):
     past that it is bound by its float32 FMAs and oneDNN's GEMM wins (1.5-2.8x at 64 rows,
     measured on an Intel Xeon model 207). So `keep_dense` can add a float copy of the weight,
     prepacked (a PackedLinear), for batches of `dense_min_rows` rows or more; dequantizing
-    into a scratch weight at each call instead cost more than the GEMM it feeds.
+    into a scratch weight at each call instead cost more than the GEMM it feeds. With bfloat16
+    x on the integer path (below) and AVX-512 VNNI, the second copy is instead the blocks
+    repacked for an integer GEMM (`packed_linear`, 1.25 bytes a weight against bfloat16's 2),
+    which rounds x as the per-row integer path does: a batch and a single row agree.
 
     With bfloat16 x the kernel rounds each 32-value block of x to int8 with a float scale and
     takes integer dot products (VNNI where the CPU has it), as llama.cpp does: y then differs
@@ -77,11 +80,14 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.ops = ops
         self.dense: nn.Module | None = None  # a float copy for many rows, or None
+        self.packed: torch.Tensor | None = None  # or the blocks repacked for packed_linear
         self.dense_min_rows = 0
         self.int8_activations = envs.get_bool("SLUICE_QUANT_INT8_ACT")  # bfloat16 x only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
+        if self.packed is not None and x.shape[0] >= self.dense_min_rows:
+            return self.ops.packed_linear(x, self.packed, self.out_features, self.bias)
         if self.dense is not None and x.shape[0] >= self.dense_min_rows:
             return self.dense(x)
         return self.ops.quant_linear(
@@ -92,18 +98,27 @@ class QuantLinear(nn.Module):
         """The float weight [out_features, in_features] the blocks stand for."""
         return self.ops.dequantize(self.qweight, self.qtype, self.in_features, dtype)
 
+    def takes_packed(self, dtype: torch.dtype) -> bool:
+        """Batches of many `dtype` rows go through the integer GEMM on repacked blocks: bfloat16
+        x on the integer path, where the kernels have that GEMM (AVX-512 VNNI)."""
+        return dtype == torch.bfloat16 and self.int8_activations and self.ops.packed_gemm
+
     def keep_dense(self, dtype: torch.dtype, min_rows: int = KERNEL_MAX_ROWS + 1) -> None:
-        """Compute batches of `min_rows` rows or more with a float copy of the weight: a
-        PackedLinear where oneDNN takes `dtype`, else a plain linear layer."""
+        """Compute batches of `min_rows` rows or more with a second copy of the weight: the
+        blocks repacked for the integer GEMM (`takes_packed`), else a float copy, a PackedLinear
+        where oneDNN takes `dtype`, else a plain linear layer."""
         from sluice.model.layers import PackedLinear, can_pack_linears
 
+        self.dense_min_rows = min_rows
+        if self.takes_packed(dtype):
+            self.packed = self.ops.repack(self.qweight, self.qtype, self.in_features)
+            return
         weight = self.dequantized(dtype)
         bias = None if self.bias is None else self.bias.detach()  # shared: loaded in place
         if can_pack_linears(weight.device, dtype):
             self.dense = PackedLinear(weight, bias)
         else:
             self.dense = _PlainLinear(weight, bias)
-        self.dense_min_rows = min_rows
 
     def extra_repr(self) -> str:
         name = BLOCK_TYPES[self.qtype][0]
@@ -126,18 +141,22 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
     from sluice.model.layers import PackedLinear
 
     total, warmed = 0, set()
-    for module in [m for m in model.modules() if isinstance(m, QuantLinear)]:
+    modules = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for module in modules:
         module.keep_dense(dtype)
-        total += module.out_features * module.in_features * torch.finfo(dtype).bits // 8
+        copy = module.packed if module.packed is not None else module.dense.weight
+        total += copy.numel() * copy.element_size()
         shape = (module.in_features, module.out_features, module.bias is not None)
         if isinstance(module.dense, PackedLinear) and shape not in warmed:
             warmed.add(shape)
             with torch.inference_mode():
                 for rows in range(module.dense_min_rows, PackedLinear.PACKED_MAX_ROWS + 1):
                     module.dense(torch.zeros(rows, module.in_features, dtype=dtype))
+    packed = any(m.packed is not None for m in modules)
+    kind = "repacked int8 (the integer GEMM)" if packed else str(dtype).removeprefix("torch.")
     logger.info(
         "block weights: the kernel up to %d rows, a %s copy (%.0f MB) for more",
-        QuantLinear.KERNEL_MAX_ROWS, str(dtype).removeprefix("torch."), total / 1e6,
+        QuantLinear.KERNEL_MAX_ROWS, kind, total / 1e6,
     )  # fmt: skip
     return total
 

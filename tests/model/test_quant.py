@@ -174,6 +174,60 @@ def test_int8_activations_within_the_rounding_bound(int8_ops, qtype, m, k, n) ->
         assert not torch.equal(y, int8_ops.quant_linear(x, raw, int(qtype), bias, False))
 
 
+# M past one pass of the per-row kernels; N not a multiple of the 16-row tiles, an odd number
+# of tiles (the last pair a single tile); M = 300: two blocks of rows (256 a block)
+PACKED_SHAPES = [(9, 32, 5), (13, 96, 21), (16, 576, 193), (40, 1536, 70), (300, 160, 48)]
+
+
+@pytest.fixture(scope="module")
+def packed_ops(native_ops):
+    if not native_ops.packed_gemm:
+        pytest.skip(f"no integer GEMM in this build (integer path: {native_ops.int8_isa})")
+    return native_ops
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,k,n", PACKED_SHAPES)
+def test_packed_linear_within_the_rounding_bound(packed_ops, qtype, m, k, n) -> None:
+    """The integer GEMM on repacked blocks rounds x as the integer path does: the same bound,
+    and the per-row kernel's result up to float32 summation order (then bfloat16 rounding)."""
+    raw, w = _blocks(n, k, qtype, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + n)).bfloat16()
+    x[0, :32] *= 100
+    if k >= 64:
+        x[-1, 32:64] = 0
+    bias = torch.randn(n)
+    packed = packed_ops.repack(raw, int(qtype), k)
+    assert packed.shape == ((n + 15) // 16, k // 32 * 640)
+    y = packed_ops.packed_linear(x, packed, n, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = x.double() @ w.T + bias.double()
+    bound = _int8_bound(x, raw, w, qtype) + 2.0**-24 * bias.abs().double() + 2.0**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max error / bound {(err / bound).max():.3g}"
+    rows = packed_ops.quant_linear(x, raw, int(qtype), bias, True).double()
+    torch.testing.assert_close(y.double(), rows, rtol=2**-7, atol=1e-3 * ref.abs().max().item())
+    assert packed_ops.packed_linear(x[:0], packed, n, None).shape == (0, n)
+
+
+def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(packed_ops, monkeypatch) -> None:
+    raw, _ = _blocks(40, 96, T.Q4_1)
+    x = torch.randn(20, 96).bfloat16()
+    layer = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
+    layer.keep_dense(torch.bfloat16, min_rows=16)
+    assert layer.packed is not None and layer.dense is None
+    packed = packed_ops.repack(raw, int(T.Q4_1), 96)
+    assert torch.equal(layer(x), packed_ops.packed_linear(x, packed, 40, None))
+    assert torch.equal(layer(x[:2]), packed_ops.quant_linear(x[:2], raw, int(T.Q4_1), None, True))
+    monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "0")  # no integer path: a float copy
+    off = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
+    off.keep_dense(torch.bfloat16, min_rows=16)
+    assert off.packed is None and off.dense is not None
+    float32 = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
+    float32.keep_dense(torch.float32, min_rows=16)
+    assert float32.packed is None and float32.dense is not None
+
+
 def test_int8_activations_leave_float32_x_exact(native_ops) -> None:
     raw, _ = _blocks(40, 96, T.Q4_1)
     x = torch.randn(3, 96)

@@ -698,6 +698,218 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t K, at::ScalarTy
   return y;
 }
 
+// ----------------------------------------------------------------------------------------------
+// The integer GEMM for many rows (bfloat16 x, AVX-512 VNNI): prefill and large decode batches.
+// The per-row kernels above decode each weight block again for every 8 rows of x, so past a few
+// rows they are bound by that decoding; here the weight is repacked once, at load, into the form
+// dpbusd takes, and each packed tile is then reused across all rows of x from the cache.
+//
+// Every block value is y_j = d * u_j + m with u_j an unsigned byte (as in the integer path
+// above: Q4_1 nibble and m, Q4_0 nibble and -8 d, Q8_0 q + 128 and -128 d), so the repacking is
+// exact. Packed layout, per tile of 16 output rows (the last tile padded with zero rows) and per
+// 32-value block b, PACK_BYTES bytes: 8 groups of [16 rows x 4 values] u8 (one 512-bit register
+// each: lane i holds row i's values 4g..4g+3), then d[16] and m[16] as float32. A tile's blocks
+// follow one another, so one tile over all of K is one sequential stream.
+//
+// x is rounded to int8 per block as in the integer path (quantize_x); for a tile pair and R rows
+// of x, each block gives R x 2 int32 sums (8 dpbusd each), turned into float once per block:
+//   acc += float(isum) * (d * dx) + m * (dx * sum_j xq_j).
+constexpr int64_t PACK_TILE = 16;
+constexpr int64_t PACK_BYTES = 8 * 64 + 2 * PACK_TILE * 4;
+
+template <int64_t T>
+void unpack_block(const uint8_t* blk, uint8_t* u, float& d, float& m) {
+  d = fp16_to_float(blk);
+  if constexpr (T == Q8_0) {
+    m = -128.f * d;
+    for (int j = 0; j < QK; ++j) u[j] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + j]) + 128);
+  } else {
+    const uint8_t* qs = blk + (T == Q4_1 ? 4 : 2);
+    m = T == Q4_1 ? fp16_to_float(blk + 2) : -8.f * d;
+    for (int j = 0; j < 16; ++j) {
+      u[j] = qs[j] & 0x0f;
+      u[j + 16] = qs[j] >> 4;
+    }
+  }
+}
+
+template <int64_t T>
+void repack_impl(const uint8_t* w, uint8_t* out, int64_t K, int64_t N) {
+  const int64_t nb = K / QK, row_bytes = nb * block_bytes(T);
+  const int64_t tiles = (N + PACK_TILE - 1) / PACK_TILE;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* p = out + (t * nb + b) * PACK_BYTES;
+        float* d = reinterpret_cast<float*>(p + 512);
+        float* m = d + PACK_TILE;
+        std::memset(p, 0, PACK_BYTES);
+        for (int64_t i = 0; i < PACK_TILE && t * PACK_TILE + i < N; ++i) {
+          uint8_t u[QK];
+          unpack_block<T>(w + (t * PACK_TILE + i) * row_bytes + b * block_bytes(T), u, d[i], m[i]);
+          for (int j = 0; j < QK; ++j) p[(j / 4) * 64 + i * 4 + j % 4] = u[j];
+        }
+      }
+  });
+}
+
+// The packed form of blocks w [N, K / 32 * block_bytes] of `type`: uint8 [tiles, nb * PACK_BYTES].
+at::Tensor repack(const at::Tensor& w, int64_t type, int64_t K) {
+  check_weight(w, type, K);
+  const int64_t N = w.size(0), nb = K / QK, tiles = (N + PACK_TILE - 1) / PACK_TILE;
+  auto out = at::empty({tiles, nb * PACK_BYTES}, w.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  switch (type) {
+    case Q8_0: repack_impl<Q8_0>(wp, op, K, N); break;
+    case Q4_0: repack_impl<Q4_0>(wp, op, K, N); break;
+    default: repack_impl<Q4_1>(wp, op, K, N); break;
+  }
+  return out;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SLUICE_PACKED_GEMM 1
+
+// R rows of x (from row m0) times TL tiles (from pointer tile[0..TL)): out[r][t] = 16 sums.
+template <int R, int TL>
+inline void packed_micro(const QuantX& qx, int64_t m0, const uint8_t* const* tile, int64_t nb,
+                         __m512 (&acc)[R][TL]) {
+  const int64_t qs = qx.nbp * QK;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < TL; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i isum[R][TL];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int t = 0; t < TL; ++t) isum[r][t] = _mm512_setzero_si512();
+    const uint8_t* p[TL];
+#pragma GCC unroll 2
+    for (int t = 0; t < TL; ++t) {
+      p[t] = tile[t] + b * PACK_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(p[t]) + 4 * PACK_BYTES, _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      __m512i wv[TL];
+#pragma GCC unroll 2
+      for (int t = 0; t < TL; ++t) wv[t] = _mm512_load_si512(p[t] + g * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, qx.q + (m0 + r) * qs + b * QK + g * 4, 4);
+        const __m512i xb = _mm512_set1_epi32(x4);
+#pragma GCC unroll 2
+        for (int t = 0; t < TL; ++t) isum[r][t] = _mm512_dpbusd_epi32(isum[r][t], wv[t], xb);
+      }
+    }
+    __m512 dw[TL], mw[TL];
+#pragma GCC unroll 2
+    for (int t = 0; t < TL; ++t) {
+      dw[t] = _mm512_load_ps(reinterpret_cast<const float*>(p[t] + 512));
+      mw[t] = _mm512_load_ps(reinterpret_cast<const float*>(p[t] + 512) + PACK_TILE);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(qx.d[((m0 + r) * qx.nbp + b) * 8]);
+      const __m512 sx = _mm512_set1_ps(qx.s[(m0 + r) * qx.nbp + b]);
+#pragma GCC unroll 2
+      for (int t = 0; t < TL; ++t) {
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]), _mm512_mul_ps(dw[t], dx), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(mw[t], sx, acc[r][t]);
+      }
+    }
+  }
+}
+
+// 16 floats rounded to bfloat16 (to nearest even), as 16 16-bit lanes.
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+
+template <int R, int TL>
+void packed_rows(const QuantX& qx, int64_t m0, const uint8_t* packed, int64_t t0, int64_t nb,
+                 const float* bias, at::BFloat16* y, int64_t N) {
+  const uint8_t* tile[TL];
+  for (int t = 0; t < TL; ++t) tile[t] = packed + (t0 + t) * nb * PACK_BYTES;
+  __m512 acc[R][TL];
+  packed_micro<R, TL>(qx, m0, tile, nb, acc);
+  for (int t = 0; t < TL; ++t) {
+    const int64_t n0 = (t0 + t) * PACK_TILE, cols = std::min<int64_t>(PACK_TILE, N - n0);
+    const __mmask16 k = static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256i h = to_bf16(_mm512_add_ps(acc[r][t], bv));
+      _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, k, h);
+    }
+  }
+}
+
+template <int TL>
+void packed_tail(int rows, const QuantX& qx, int64_t m0, const uint8_t* packed, int64_t t0,
+                 int64_t nb, const float* bias, at::BFloat16* y, int64_t N) {
+  switch (rows) {
+    case 1: return packed_rows<1, TL>(qx, m0, packed, t0, nb, bias, y, N);
+    case 2: return packed_rows<2, TL>(qx, m0, packed, t0, nb, bias, y, N);
+    case 3: return packed_rows<3, TL>(qx, m0, packed, t0, nb, bias, y, N);
+    default: return packed_rows<4, TL>(qx, m0, packed, t0, nb, bias, y, N);
+  }
+}
+
+// y (bfloat16 [M, N]) = x (bfloat16 [M, K]) w^T + bias with w packed by `repack`. The threads
+// split pairs of tiles; rows of x go 4 at a time, in blocks of PACKED_M_BLOCK rows so that a
+// block of x stays in cache while the tiles pass over it.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "x: a 2-D bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, tiles = (N + PACK_TILE - 1) / PACK_TILE;
+  TORCH_CHECK(K % QK == 0 && packed.dim() == 2 && packed.size(0) == tiles &&
+              packed.size(1) == nb * PACK_BYTES && packed.scalar_type() == at::kByte &&
+              packed.is_contiguous(), "packed: the repacked blocks of [", N, ", ", K, "]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "packed: 64-byte aligned");
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias: [N]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  QuantX qx(M, nb);
+  quantize_x(xc.data_ptr<at::BFloat16>(), K, qx);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  constexpr int64_t PACKED_M_BLOCK = 256;
+  const int64_t pairs = (tiles + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t mb = 0; mb < M; mb += PACKED_M_BLOCK) {
+      const int64_t me = std::min(M, mb + PACKED_M_BLOCK);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t t0 = 2 * c;
+        for (int64_t m = mb; m < me; m += 4) {
+          const int rows = static_cast<int>(std::min<int64_t>(4, me - m));
+          if (t0 + 1 < tiles) packed_tail<2>(rows, qx, m, pp, t0, nb, bp, yp, N);
+          else packed_tail<1>(rows, qx, m, pp, t0, nb, bp, yp, N);
+        }
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -716,4 +928,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("int8_activations") = false);
   m.def("dequantize", &dequantize, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"),
         pybind11::arg("dtype"));
+  m.def("repack", &repack, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"));
+#if defined(SLUICE_PACKED_GEMM)
+  m.attr("packed_gemm") = true;
+  m.def("packed_linear", &packed_linear, pybind11::arg("x"), pybind11::arg("packed"),
+        pybind11::arg("N"), pybind11::arg("bias") = pybind11::none());
+#else
+  m.attr("packed_gemm") = false;
+#endif
 }

@@ -266,6 +266,53 @@ def test_abort_storm_leaves_nothing_in_any_worker(three: LiveServer) -> None:
     assert metric(after, "sluice_unknown_rid_outputs_total") == 0
 
 
+@pytest.mark.parametrize("abort_through", ["owner", "other"])
+def test_the_same_rid_on_two_workers_leaves_the_first_request_whole(
+    two: LiveServer, abort_through: str
+) -> None:
+    """A client rid streaming through one worker, sent again through another: the second is a
+    400, and the first keeps its decode state (the detokenizer keys it by its worker); an abort
+    of the rid, through either worker (the other asks the owner), then ends the first.
+
+    The stream's line iterator is held for the whole test: an `async for` left with `break`
+    drops it, and its finalizer closes the connection, which the server rightly takes for a
+    client disconnect (the first request would then be gone before the second is sent)."""
+    body = {"text": "Tell me a long story.", "rid": "dup", "sampling_params": HELD}
+
+    def detokenizer_states() -> int:
+        return _info(two)["internal_state"]["num_detokenizer_states"]
+
+    async def go() -> tuple[list[int], httpx.Response, dict[str, Any], dict[str, Any]]:
+        first, owner = await _aclient_on(two.base, lambda w: True)
+        second, _ = await _aclient_on(two.base, lambda w: w != owner)
+        counts = []
+        try:
+            async with first.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+                lines = resp.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data:"):
+                        break  # "dup" has streamed: its decode state exists
+                await set_paused(first, True)  # held in place from here
+                counts.append(await asyncio.to_thread(detokenizer_states))
+                again = await second.post("/generate", json=body)
+                counts.append(await asyncio.to_thread(detokenizer_states))
+                aborter = first if abort_through == "owner" else second
+                aborted = (await aborter.post("/abort_request", json={"rid": "dup"})).json()
+                events = [json.loads(ln[6:]) async for ln in lines if ln.startswith("data: {")]
+        finally:
+            await set_paused(first, False)
+            await first.aclose()
+            await second.aclose()
+        return counts, again, aborted, events[-1]
+
+    counts, again, aborted, last = asyncio.run(go())
+    assert again.status_code == 400 and "dup" in again.text, again.text
+    assert counts == [1, 1]  # the refusal did not end the first request's state
+    assert aborted == {"success": True, "num_aborted": 1}
+    assert last["meta_info"]["finish_reason"]["type"] == "abort", last
+    _assert_idle(two, 2)
+
+
 def test_images_through_every_worker(
     tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str
 ) -> None:

@@ -125,10 +125,14 @@ class ServingProcesses:
             )  # fmt: skip
 
     async def __aexit__(self, *exc: object) -> None:
+        # the watchdog runs on while the other workers drain (a death then is reported too),
+        # and looks once more after they are gone, before their children are stopped
+        await self._wait_workers()
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
-        await self._wait_workers()
+            if self.failure is None:
+                self._check_children()
         if self.peers is not None:
             await self.peers.close()
         if self.tm is not None:
@@ -288,20 +292,24 @@ class ServingProcesses:
         return not (drained and child.process.exitcode == 0)
 
     async def _watch(self) -> None:
-        while True:
+        while not self._check_children():
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            dead = next((c for c in self._children if self._is_dead(c)), None)
-            if dead is None:
-                continue
-            self.failure = f"the {dead.name} process died (exit code {dead.process.exitcode})"
-            logger.error("%s: failing all requests and shutting down", self.failure)
-            assert self.tm is not None
+
+    def _check_children(self) -> bool:
+        """True (once reported) when a child died before its time: every request fails with
+        503, the other workers are told, and `on_child_death` is called."""
+        dead = next((c for c in self._children if self._is_dead(c)), None)
+        if dead is None:
+            return False
+        self.failure = f"the {dead.name} process died (exit code {dead.process.exitcode})"
+        logger.error("%s: failing all requests and shutting down", self.failure)
+        if self.tm is not None:
             fail_all(self.tm, self.embedders, self.failure)
-            if self.peers is not None:
-                self.peers.tell(PeerFailure(self.failure))
-            if self.on_child_death is not None:
-                self.on_child_death(self.failure)
-            return
+        if self.peers is not None:
+            self.peers.tell(PeerFailure(self.failure))
+        if self.on_child_death is not None:
+            self.on_child_death(self.failure)
+        return True
 
 
 # ---------------------------------------------------------------------------- the HTTP server

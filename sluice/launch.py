@@ -368,12 +368,15 @@ async def _serve(args: ServerArgs) -> int:
 
     procs = ServingProcesses(args, on_child_death)
     async with procs as tm:
+        # the other workers listen from here: a signal before uvicorn's handlers are in place
+        # is kept, and handled (a drain) as soon as they are
+        early = _keep_signals()
         app = _create_app(tm, args, procs.embedders, procs.peers)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
             timeout_graceful_shutdown=5,
         )  # fmt: skip
-        server = _Server(config)
+        server = _Server(config, early)
         from sluice.server.shutdown import GracefulShutdown  # the HTTP layer, only here
 
         drain = GracefulShutdown(server, tm, args.shutdown_timeout, procs.embedders)
@@ -412,10 +415,25 @@ async def _announce(server: Any, args: ServerArgs) -> None:
     logger.info("sluice is ready: listening on http://%s:%d", args.host, args.port)
 
 
+def _keep_signals() -> list[int]:
+    """SIGINT and SIGTERM, from now until `_Server.capture_signals` takes them over, are
+    appended to the list returned (and not raised as KeyboardInterrupt)."""
+    kept: list[int] = []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, kept.append, sig)
+    return kept
+
+
 class _Server(uvicorn.Server):
     """A uvicorn server whose signals only ask it to stop (through `on_signal`, the graceful
     drain): uvicorn's own handling re-raises the signal after serving, which would kill this
-    process before the children are stopped."""
+    process before the children are stopped. `early`: signals that came before its handlers
+    were installed (`_keep_signals`), handled as soon as they are."""
+
+    def __init__(self, config: uvicorn.Config, early: list[int] | None = None) -> None:
+        super().__init__(config)
+        self.early = early if early is not None else []
 
     def on_signal(self, sig: int) -> None:
         self.handle_exit(sig, None)
@@ -425,6 +443,9 @@ class _Server(uvicorn.Server):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda s=sig: self.on_signal(s))
+        early, self.early[:] = list(self.early), []
+        for sig in early:
+            self.on_signal(sig)
         try:
             yield
         finally:

@@ -438,3 +438,31 @@ def test_a_child_death_while_the_workers_drain_is_reported() -> None:
     assert procs.failure == "the scheduler process died (exit code 3)"
     assert deaths == [procs.failure] and tm.deaths == [procs.failure]
     assert worker.exitcode == 0
+
+
+def test_a_signal_before_uvicorns_handlers_is_handled_once_they_are_installed() -> None:
+    """SIGTERM right after the workers started (before uvicorn's signal handlers exist) is kept
+    by `_keep_signals`, not raised, and `_Server.capture_signals` hands it to `on_signal` (the
+    drain, relayed to every worker) as it installs them."""
+    import uvicorn
+
+    from sluice.launch import _keep_signals, _Server
+
+    handled: list[int] = []
+
+    async def go() -> list[int]:
+        kept = _keep_signals()
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the loop runs the handler at its next turn
+            if kept:
+                break
+            await asyncio.sleep(0.01)
+        before = list(kept)
+        server = _Server(uvicorn.Config(app=None), kept)
+        server.on_signal = handled.append  # type: ignore[method-assign]
+        with server.capture_signals():
+            assert handled == [signal.SIGTERM]
+        return before
+
+    assert asyncio.run(go()) == [signal.SIGTERM]
+    assert handled == [signal.SIGTERM]

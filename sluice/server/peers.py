@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 GATHER_TIMEOUT_S = 10.0
 INBOX = ipc.Inbox(ToPeer)
 REPLY_TYPES = (PeerAbortReply, PeerStateReply, PeerMetricsReply, PeerErrorReply)
-LEAVING_LINGER_MS = 1000  # how long `close` lets the PeerLeaving reach a live peer
+LEAVING_LINGER_MS = 250  # how long `close` may hold on to a PeerLeaving a peer cannot take
 
 
 @dataclass

@@ -15,6 +15,7 @@ import contextlib
 import json
 import random
 import signal
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -458,5 +459,44 @@ def test_sigterm_drains_every_worker_then_exits_zero(
         resp = asyncio.run(go())
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 16
+        assert srv.proc.wait(30) == 0
+        _assert_all_gone(procs)
+
+
+def test_a_fan_out_during_the_drain_does_not_wait_for_a_worker_that_left(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SIGTERM with a long request on worker 0: worker 1, with nothing in flight, ends its
+    drain and exits (announcing it); /get_server_info and an abort by rid through worker 0,
+    each a fan-out, then answer without waiting out the 10 s a silent worker would cost."""
+    args = ["--tokenizer-worker-num", "2", "--no-embedding-model", "--shutdown-timeout", "300"]
+    with _server(tmp_path_factory, "workers_left", args) as srv:
+        procs = _tree(srv)
+        worker_1 = next(p for p in procs if "sluice::http-1" in " ".join(p.cmdline()))
+
+        async def go() -> tuple[float, dict[str, Any], float, dict[str, Any], httpx.Response]:
+            client, _ = await _aclient_on(srv.base, lambda w: w == 0)
+            async with contextlib.aclosing(client):
+                await set_paused(client, True)  # into the queue first; the drain continues it
+                body = {"text": "Tell me a long story.", "rid": "long", "sampling_params": HELD}
+                call = asyncio.create_task(client.post("/generate", json=body))
+                await _waiting(srv, 1)
+                srv.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(worker_1.wait, 60)  # gone (its code: the launcher logs it)
+                start = time.monotonic()
+                info = await client.get("/get_server_info")
+                info_s = time.monotonic() - start
+                assert info.status_code == 200, (info_s, info.text)
+                start = time.monotonic()
+                aborted = await client.post("/abort_request", json={"rid": "long"})
+                abort_s = time.monotonic() - start
+                assert aborted.status_code == 200, (abort_s, aborted.text)
+                return info_s, info.json(), abort_s, aborted.json(), await call
+
+        info_s, info, abort_s, aborted, resp = asyncio.run(go())
+        assert info_s < 5 and abort_s < 5, (info_s, abort_s)  # a silent worker: 10 s each
+        assert [w["index"] for w in info["tokenizer_workers"]] == [0]
+        assert aborted == {"success": True, "num_aborted": 1}
+        assert resp.json()["meta_info"]["finish_reason"]["type"] == "abort", resp.text
         assert srv.proc.wait(30) == 0
         _assert_all_gone(procs)

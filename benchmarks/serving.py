@@ -11,6 +11,10 @@ produce exactly the requested number of output tokens (EOS ignored). Workloads:
     shared-prefix  a 450-token common prefix + ~30 own tokens, 32 output tokens
     prompt-bound   ~400 prompt tokens, 1 output token (256 requests; not run by default): the
                    HTTP processes' share (tokenizing, JSON, SSE) is large
+    embeddings-short  /v1/embeddings of 3 to 8 words each against the default embedding model
+                   (all-MiniLM-L6-v2), not streamed (1024 requests; not run by default): almost
+                   all HTTP work; sluice's server only (the peers serve no embedding model), so
+                   it compares HTTP worker counts and reports req/s and latency
 
 `--tokenizer-worker-num 1,2` runs sluice's server once per HTTP worker count (the first as
 "sluice-server", the others as "sluice-wN") and prints each one's ratio to the first.
@@ -68,8 +72,13 @@ class Workload:
     shared_len: int = 0  # common prefix tokens, identical across the workload's requests
     num_requests: int = 64
     clients: int = 0  # concurrent clients; 0: --concurrency
+    # "completion": streamed /v1/completions of token ids, on every system; "embedding":
+    # /v1/embeddings of short texts (prompt_len: at most this many words), sluice's server only
+    kind: str = "completion"
 
     def describe(self) -> str:
+        if self.kind == "embedding":
+            return f"/v1/embeddings of 3 to {self.prompt_len} words, not streamed"
         own = f"~{self.prompt_len} prompt tokens"
         if self.shared_len:
             own = f"{self.shared_len} shared + {own}"
@@ -85,6 +94,10 @@ WORKLOADS = {
         Workload("shared-prefix", prompt_len=30, output_len=32, shared_len=450),
         # HTTP-bound: long prompts, one output token (many requests, little decode)
         Workload("prompt-bound", prompt_len=400, output_len=1, num_requests=256),
+        # HTTP-bound: tiny embedding requests (JSON in and out, tokenizing, routing)
+        Workload(
+            "embeddings-short", prompt_len=8, output_len=0, num_requests=1024, kind="embedding"
+        ),
     )
 }
 DEFAULT_WORKLOADS = ("single-stream", "decode-heavy", "mixed", "shared-prefix")
@@ -131,8 +144,14 @@ def _random_ids(tokenizer, rng: random.Random, n: int) -> list[int]:
     return ids[:n]
 
 
-def make_prompts(tokenizer, wl: Workload, num: int, seed: int) -> list[list[int]]:
+def make_prompts(tokenizer, wl: Workload, num: int, seed: int) -> list[list[int]] | list[str]:
+    """Token-id prompts; for an embedding workload, texts of 3 to `prompt_len` words."""
     rng = random.Random(seed)
+    if wl.kind == "embedding":
+        return [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, wl.prompt_len)))
+            for _ in range(num)
+        ]
     shared = _random_ids(tokenizer, rng, wl.shared_len)
     return [shared + _random_ids(tokenizer, rng, wl.prompt_len) for _ in range(num)]
 
@@ -209,14 +228,33 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict) -> 
     )
 
 
-async def _drive(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int):
+async def embed_request(client: httpx.AsyncClient, url: str, payload: dict) -> RequestStats:
+    """One `/v1/embeddings` call; its latency stands in the TTFT column."""
+    start = time.perf_counter()
+    resp = await client.post(url, json=payload)
+    latency = time.perf_counter() - start
+    if resp.status_code != 200:
+        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+    data = resp.json()["data"]
+    if len(data) != 1 or not data[0]["embedding"]:
+        raise ValueError(f"expected one embedding, got {len(data)}")
+    return RequestStats(ttft=latency, itls=[], output_tokens=0, start=start)
+
+
+async def _drive(base_url: str, prompts: list, wl_or_len: Workload | int, concurrency: int):
+    """`wl_or_len`: the workload, or (warm-up) the output tokens of a completion workload."""
+    if isinstance(wl_or_len, Workload) and wl_or_len.kind == "embedding":
+        payloads = [{"input": text} for text in prompts]
+        return await drive(base_url + "/v1/embeddings", payloads, concurrency, embed_request)
+    output_len = wl_or_len.output_len if isinstance(wl_or_len, Workload) else wl_or_len
     payloads = [_payload(prompt, output_len) for prompt in prompts]
     return await drive(base_url + "/v1/completions", payloads, concurrency)
 
 
-async def drive(url: str, payloads: list[dict], concurrency: int):
-    """Closed loop: `concurrency` workers share one queue of request bodies, streamed to `url`.
-    Returns (stats, errors, s); stats[i] is None where payloads[i] failed."""
+async def drive(url: str, payloads: list[dict], concurrency: int, send=stream_request):
+    """Closed loop: `concurrency` workers share one queue of request bodies, sent to `url` by
+    `send` (streamed completions by default). Returns (stats, errors, s); stats[i] is None
+    where payloads[i] failed."""
     queue = list(reversed(list(enumerate(payloads))))
     stats: list[RequestStats | None] = [None] * len(payloads)
     errors: list[str] = []
@@ -225,7 +263,7 @@ async def drive(url: str, payloads: list[dict], concurrency: int):
         while queue:
             i, payload = queue.pop()
             try:
-                stats[i] = await stream_request(client, url, payload)
+                stats[i] = await send(client, url, payload)
             except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                 errors.append(repr(exc))
 
@@ -245,8 +283,8 @@ def _completed(stats: list[RequestStats | None]) -> list[RequestStats]:
 
 def measure_http(system: str, base_url: str, wl: Workload, prompts, warm, concurrency) -> Result:
     concurrency = wl.clients or concurrency
-    asyncio.run(_drive(base_url, warm, WARMUP_OUTPUT, len(warm)))
-    stats, errors, elapsed = asyncio.run(_drive(base_url, prompts, wl.output_len, concurrency))
+    asyncio.run(_drive(base_url, warm, wl if wl.kind == "embedding" else WARMUP_OUTPUT, len(warm)))
+    stats, errors, elapsed = asyncio.run(_drive(base_url, prompts, wl, concurrency))
     stats = _completed(stats)
     for err in errors[:3]:
         print(f"  {system}: request failed: {err}", flush=True)
@@ -341,8 +379,11 @@ def llama_command(binary: Path, gguf: str, port: int, concurrency: int, threads:
 
 
 def run_server(name, cmd, health_path, port, workloads, prompts, warm, concurrency, env=None):
+    """`workloads` that `name` can serve (a peer serves no embedding model: those are left out)."""
     base_url = f"http://127.0.0.1:{port}"
     results = {}
+    if not name.startswith("sluice"):
+        workloads = [wl for wl in workloads if wl.kind == "completion"]
     with ServerProcess(name, cmd, base_url, health_path, env):
         for wl in workloads:
             res = measure_http(name, base_url, wl, prompts[wl.name], warm[wl.name], concurrency)
@@ -398,7 +439,9 @@ def run_engine(workloads, prompts, warm, kwargs) -> dict[str, Result]:
             "warm": warm[w.name],
         }
         for w in workloads
-        if not w.clients  # the Engine takes every request at once: no single stream
+        # the Engine takes every request at once: no single stream; and it serves no
+        # embedding model
+        if not w.clients and w.kind == "completion"
     ]
     job = json.dumps({"engine_kwargs": kwargs, "workloads": items})
     print(f"starting sluice-Engine in a subprocess (kwargs {kwargs})", flush=True)
@@ -440,7 +483,7 @@ def _pcts(values: list[float], scale: float, fmt: str) -> str:
 
 
 def _ratio(a: Result | None, b: Result | None, attr: str) -> str:
-    if a is None or b is None:
+    if a is None or b is None or not getattr(b, attr):
         return "n/a"
     return f"{getattr(a, attr) / getattr(b, attr):.2f}x"
 
@@ -448,10 +491,11 @@ def _ratio(a: Result | None, b: Result | None, attr: str) -> str:
 def print_table(wl: Workload, n: int, concurrency: int, rows: dict[str, Result]) -> None:
     clients = wl.clients or concurrency
     print(f"\n== {wl.name}: {n} requests, {wl.describe()}, {clients} concurrent clients ==")
-    head = f"{'system':<14} {'out tok/s':>9} {'req/s':>7} | {'TTFT p50/p90/p99 (s)':>25} | "
+    first = "latency p50/p90/p99 (s)" if wl.kind == "embedding" else "TTFT p50/p90/p99 (s)"
+    head = f"{'system':<14} {'out tok/s':>9} {'req/s':>7} | {first:>25} | "
     print(head + f"{'ITL p50/p90/p99 (ms)':>25} | {'wrong':>5} {'failed':>6}")
     for res in rows.values():
-        ttft = _pcts(res.ttfts, 1.0, "7.2f")
+        ttft = _pcts(res.ttfts, 1.0, "7.3f" if wl.kind == "embedding" else "7.2f")
         itl = _pcts(res.itls, 1000.0, "7.1f")
         line = f"{res.system:<14} {res.tok_s:9.1f} {res.req_s:7.3f} | {ttft:>25} | {itl:>25} | "
         print(line + f"{res.wrong_count:5d} {res.failed:6d}")

@@ -6,7 +6,9 @@ child within WATCHDOG_INTERVAL_S. `launch_server` adds the HTTP server (uvicorn)
 
 With --tokenizer-worker-num N > 1 this process is HTTP worker 0 and `ServingProcesses` also
 spawns workers 1..N-1 (`server/http_worker.py`) once the model processes are ready; they are
-children like the others. A signal here drains every worker (relayed as PeerDrain).
+children like the others. A signal here drains every worker (relayed as PeerDrain), one that
+comes before uvicorn's handlers are installed too; the watchdog keeps watching while the other
+workers drain.
 
 Guarantees: no child outlives `ServingProcesses` (terminated on exit, and each child exits by
 itself when its parent is gone); a failed start reports the child's traceback; after a child
@@ -125,10 +127,14 @@ class ServingProcesses:
             )  # fmt: skip
 
     async def __aexit__(self, *exc: object) -> None:
+        # the watchdog runs on while the other workers drain (a death then is reported too),
+        # and looks once more after they are gone, before their children are stopped
+        await self._wait_workers()
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
-        await self._wait_workers()
+            if self.failure is None:
+                self._check_children()
         if self.peers is not None:
             await self.peers.close()
         if self.tm is not None:
@@ -288,20 +294,24 @@ class ServingProcesses:
         return not (drained and child.process.exitcode == 0)
 
     async def _watch(self) -> None:
-        while True:
+        while not self._check_children():
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            dead = next((c for c in self._children if self._is_dead(c)), None)
-            if dead is None:
-                continue
-            self.failure = f"the {dead.name} process died (exit code {dead.process.exitcode})"
-            logger.error("%s: failing all requests and shutting down", self.failure)
-            assert self.tm is not None
+
+    def _check_children(self) -> bool:
+        """True (once reported) when a child died before its time: every request fails with
+        503, the other workers are told, and `on_child_death` is called."""
+        dead = next((c for c in self._children if self._is_dead(c)), None)
+        if dead is None:
+            return False
+        self.failure = f"the {dead.name} process died (exit code {dead.process.exitcode})"
+        logger.error("%s: failing all requests and shutting down", self.failure)
+        if self.tm is not None:
             fail_all(self.tm, self.embedders, self.failure)
-            if self.peers is not None:
-                self.peers.tell(PeerFailure(self.failure))
-            if self.on_child_death is not None:
-                self.on_child_death(self.failure)
-            return
+        if self.peers is not None:
+            self.peers.tell(PeerFailure(self.failure))
+        if self.on_child_death is not None:
+            self.on_child_death(self.failure)
+        return True
 
 
 # ---------------------------------------------------------------------------- the HTTP server
@@ -360,12 +370,15 @@ async def _serve(args: ServerArgs) -> int:
 
     procs = ServingProcesses(args, on_child_death)
     async with procs as tm:
+        # the other workers listen from here: a signal before uvicorn's handlers are in place
+        # is kept, and handled (a drain) as soon as they are
+        early = _keep_signals()
         app = _create_app(tm, args, procs.embedders, procs.peers)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
             timeout_graceful_shutdown=5,
         )  # fmt: skip
-        server = _Server(config)
+        server = _Server(config, early)
         from sluice.server.shutdown import GracefulShutdown  # the HTTP layer, only here
 
         drain = GracefulShutdown(server, tm, args.shutdown_timeout, procs.embedders)
@@ -404,10 +417,25 @@ async def _announce(server: Any, args: ServerArgs) -> None:
     logger.info("sluice is ready: listening on http://%s:%d", args.host, args.port)
 
 
+def _keep_signals() -> list[int]:
+    """SIGINT and SIGTERM, from now until `_Server.capture_signals` takes them over, are
+    appended to the list returned (and not raised as KeyboardInterrupt)."""
+    kept: list[int] = []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, kept.append, sig)
+    return kept
+
+
 class _Server(uvicorn.Server):
     """A uvicorn server whose signals only ask it to stop (through `on_signal`, the graceful
     drain): uvicorn's own handling re-raises the signal after serving, which would kill this
-    process before the children are stopped."""
+    process before the children are stopped. `early`: signals that came before its handlers
+    were installed (`_keep_signals`), handled as soon as they are."""
+
+    def __init__(self, config: uvicorn.Config, early: list[int] | None = None) -> None:
+        super().__init__(config)
+        self.early = early if early is not None else []
 
     def on_signal(self, sig: int) -> None:
         self.handle_exit(sig, None)
@@ -417,6 +445,9 @@ class _Server(uvicorn.Server):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda s=sig: self.on_signal(s))
+        early, self.early[:] = list(self.early), []
+        for sig in early:
+            self.on_signal(sig)
         try:
             yield
         finally:

@@ -353,6 +353,7 @@ class PeerAbortReq(Message, omit_defaults=True):
 
 class PeerAbortReply(Message):
     seq: int
+    worker: int  # the answering worker's index (as in every reply: what its call waits for)
     num_aborted: int
 
 
@@ -386,9 +387,26 @@ class MetricSample(msgspec.Struct, array_like=True):
 
 class PeerMetricsReply(Message):
     seq: int
+    worker: int
     samples: list[MetricSample]
     num_prompt_tokens: int = 0  # behind the cache hit rate
     num_cached_tokens: int = 0
+
+
+class PeerErrorReply(Message):
+    """The reply to any request whose handler raised (or had no answer): the call stops
+    waiting for this worker at once and leaves it out."""
+
+    seq: int
+    worker: int
+    error: str
+
+
+class PeerLeaving(Message):
+    """A worker is going (its server stopped after a drain or a failure): nobody waits for
+    its replies any longer, and nothing more is sent to it."""
+
+    worker: int
 
 
 class PeerFailure(Message):
@@ -429,5 +447,5 @@ ToDetokenizer = BatchTokenIDOutput | AbortReq | PassedOn
 ToHttp = BatchStrOutput | PassedOn
 ToPeer = (
     PeerAbortReq | PeerAbortReply | PeerStateReq | PeerStateReply | PeerMetricsReq
-    | PeerMetricsReply | PeerFailure | PeerDrain
+    | PeerMetricsReply | PeerErrorReply | PeerLeaving | PeerFailure | PeerDrain
 )  # fmt: skip

@@ -372,3 +372,97 @@ def test_children_exit_when_the_server_is_killed(start_server: Any, tiny_llama_d
     server.proc.kill()  # SIGKILL: no cleanup in the parent at all
     server.proc.wait(10)
     _assert_gone(children)
+
+
+# ---- the launcher's last moments ------------------------------------------------------------
+
+
+def _exit_at_once(code: int, conn: Any) -> None:
+    os._exit(code)  # `conn`, a write end, closes with it
+
+
+def _exit_after_eof(conn: Any) -> None:
+    """A worker that ends its drain once the fake scheduler is gone (its pipe reads EOF)."""
+    try:
+        conn.recv_bytes()
+    except EOFError:
+        pass
+    os._exit(0)
+
+
+class _FailureRecorder:
+    """The TokenizerManager as the watchdog sees it."""
+
+    def __init__(self) -> None:
+        self.deaths: list[str] = []
+
+    def on_child_death(self, message: str) -> None:
+        self.deaths.append(message)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_child_death_while_the_workers_drain_is_reported() -> None:
+    """The scheduler dies while the launcher waits for the other workers' drain (the worker
+    ends it only once the scheduler is gone): the failure is reported, which makes
+    `sluice serve` exit 1."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from sluice.launch import _Child
+
+    ctx = mp.get_context("spawn")
+    gone_r, gone_w = ctx.Pipe(duplex=False)
+    scheduler = ctx.Process(target=_exit_at_once, args=(3, gone_w), daemon=True)
+    worker = ctx.Process(target=_exit_after_eof, args=(gone_r,), daemon=True)
+    for proc in (worker, scheduler):
+        proc.start()
+    gone_r.close()
+    gone_w.close()  # the scheduler holds the only write end now
+    procs = ServingProcesses(SimpleNamespace(shutdown_timeout=60.0))  # type: ignore[arg-type]
+    procs._children = [
+        _Child(name, proc, ctx.Pipe(duplex=False)[0])
+        for name, proc in (("scheduler", scheduler), ("http-1", worker))
+    ]
+    procs.tm = tm = _FailureRecorder()  # type: ignore[assignment]
+    procs.draining = True
+    deaths: list[str] = []
+    procs.on_child_death = deaths.append
+
+    async def go() -> None:
+        procs._watchdog = asyncio.create_task(procs._watch())
+        await procs.__aexit__(None, None, None)
+
+    asyncio.run(go())
+    assert procs.failure == "the scheduler process died (exit code 3)"
+    assert deaths == [procs.failure] and tm.deaths == [procs.failure]
+    assert worker.exitcode == 0
+
+
+def test_a_signal_before_uvicorns_handlers_is_handled_once_they_are_installed() -> None:
+    """SIGTERM right after the workers started (before uvicorn's signal handlers exist) is kept
+    by `_keep_signals`, not raised, and `_Server.capture_signals` hands it to `on_signal` (the
+    drain, relayed to every worker) as it installs them."""
+    import uvicorn
+
+    from sluice.launch import _keep_signals, _Server
+
+    handled: list[int] = []
+
+    async def go() -> list[int]:
+        kept = _keep_signals()
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the loop runs the handler at its next turn
+            if kept:
+                break
+            await asyncio.sleep(0.01)
+        before = list(kept)
+        server = _Server(uvicorn.Config(app=None), kept)
+        server.on_signal = handled.append  # type: ignore[method-assign]
+        with server.capture_signals():
+            assert handled == [signal.SIGTERM]
+        return before
+
+    assert asyncio.run(go()) == [signal.SIGTERM]
+    assert handled == [signal.SIGTERM]

@@ -5,9 +5,11 @@ socket on --port, in front of the one scheduler and detokenizer. The launcher is
 A worker is a child of the launcher like the model processes: it ignores SIGINT and SIGTERM
 (the launcher relays a drain as PeerDrain, and a process failure as PeerFailure: it fails its
 requests with 503 and exits), exits at once on STOP_SIGNAL, and exits when the launcher is gone.
-It reports ready on its pipe once it listens. The launcher treats a worker's death like any
-child's: every request fails with 503 and the server exits (no restart: the scheduler may hold
-the dead worker's requests and sessions, and a fresh one would not know them).
+It reports ready on its pipe once it listens, and on its way out tells the other workers it is
+leaving (`Peers.close`), so their fan-outs stop waiting for it. The launcher treats a worker's
+death like any child's: every request fails with 503 and the server exits (no restart: the
+scheduler may hold the dead worker's requests and sessions, and a fresh one would not know
+them).
 """
 
 from __future__ import annotations

@@ -73,15 +73,18 @@ class WorkerGroup:
     async def handle(self, msg: Any) -> Any | None:
         match msg:
             case PeerAbortReq(abort_all=True):
-                return PeerAbortReply(msg.seq, await self._abort_all_here())
+                return PeerAbortReply(msg.seq, self.index, await self._abort_all_here())
             case PeerAbortReq():
-                return PeerAbortReply(msg.seq, int(await self.tm.abort_request(rid=msg.rid) or 0))
+                num = int(await self.tm.abort_request(rid=msg.rid) or 0)
+                return PeerAbortReply(msg.seq, self.index, num)
             case PeerStateReq():
                 return self._state_here(msg.seq, msg.sender)
             case PeerMetricsReq():
                 m = self.metrics
                 samples = [MetricSample(*s) for s in m.additive_samples()]
-                return PeerMetricsReply(msg.seq, samples, m.num_prompt_tokens, m.num_cached_tokens)
+                return PeerMetricsReply(
+                    msg.seq, self.index, samples, m.num_prompt_tokens, m.num_cached_tokens
+                )
         return None
 
     async def _abort_all_here(self) -> int:

@@ -174,6 +174,12 @@ def setup_child_process(title: str, log_level: str) -> None:
     _watch_parent(os.getppid())
 
 
+def die_with_parent() -> None:
+    """Exit (status 1) within half a second of the parent's end: for a helper process (a media
+    pool's) that `setup_child_process` does not set up."""
+    _watch_parent(os.getppid())
+
+
 def configure_logging(log_level: str, name: str) -> None:
     logging.basicConfig(
         level=log_level.upper(),

@@ -21,19 +21,26 @@ from sluice.utils import ipc
 
 def split_by_owner(msg: Any, owners: list[str]) -> list[tuple[str, Any]]:
     """(owner, the rows of `msg` it owns) per distinct owner, in order of first appearance.
-    `owners[i]` owns row i of every list field of `msg` as long as `owners`; shorter lists (an
-    encoder's empty `cached_tokens`) stay as they are. One owner: `msg` itself."""
+    Every list field of a batch output is a column of its rows: `owners[i]` owns row i of each.
+    An empty column (one a sender leaves unfilled: an encoder's `cached_tokens`) stays empty;
+    a column of any other length than `owners` is a ValueError, never a silent mis-split.
+    One owner: `msg` itself."""
     distinct = list(dict.fromkeys(owners))
     if len(distinct) <= 1:
         return [(distinct[0] if distinct else "", msg)]
     n = len(owners)
-    parallel = [
-        f for f in msg.__struct_fields__ if isinstance(v := getattr(msg, f), list) and len(v) == n
-    ]
+    columns = []
+    for name in msg.__struct_fields__:
+        value = getattr(msg, name)
+        if not isinstance(value, list) or not value:
+            continue
+        if len(value) != n:
+            raise ValueError(f"{type(msg).__name__}.{name} has {len(value)} rows, not {n}")
+        columns.append(name)
     parts = []
     for owner in distinct:
         rows = [i for i, o in enumerate(owners) if o == owner]
-        changes = {f: [getattr(msg, f)[i] for i in rows] for f in parallel}
+        changes = {f: [getattr(msg, f)[i] for i in rows] for f in columns}
         parts.append((owner, msgspec.structs.replace(msg, **changes)))
     return parts
 

@@ -10,7 +10,7 @@ from tests.server.live_server import metric
 
 def _reply(m: ServerMetrics) -> PeerMetricsReply:
     samples = [MetricSample(*s) for s in m.additive_samples()]
-    return PeerMetricsReply(1, samples, m.num_prompt_tokens, m.num_cached_tokens)
+    return PeerMetricsReply(1, 1, samples, m.num_prompt_tokens, m.num_cached_tokens)
 
 
 def test_counters_and_histograms_sum_over_workers() -> None:

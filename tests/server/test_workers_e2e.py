@@ -15,6 +15,7 @@ import contextlib
 import json
 import random
 import signal
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -266,6 +267,53 @@ def test_abort_storm_leaves_nothing_in_any_worker(three: LiveServer) -> None:
     assert metric(after, "sluice_unknown_rid_outputs_total") == 0
 
 
+@pytest.mark.parametrize("abort_through", ["owner", "other"])
+def test_the_same_rid_on_two_workers_leaves_the_first_request_whole(
+    two: LiveServer, abort_through: str
+) -> None:
+    """A client rid streaming through one worker, sent again through another: the second is a
+    400, and the first keeps its decode state (the detokenizer keys it by its worker); an abort
+    of the rid, through either worker (the other asks the owner), then ends the first.
+
+    The stream's line iterator is held for the whole test: an `async for` left with `break`
+    drops it, and its finalizer closes the connection, which the server rightly takes for a
+    client disconnect (the first request would then be gone before the second is sent)."""
+    body = {"text": "Tell me a long story.", "rid": "dup", "sampling_params": HELD}
+
+    def detokenizer_states() -> int:
+        return _info(two)["internal_state"]["num_detokenizer_states"]
+
+    async def go() -> tuple[list[int], httpx.Response, dict[str, Any], dict[str, Any]]:
+        first, owner = await _aclient_on(two.base, lambda w: True)
+        second, _ = await _aclient_on(two.base, lambda w: w != owner)
+        counts = []
+        try:
+            async with first.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+                lines = resp.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data:"):
+                        break  # "dup" has streamed: its decode state exists
+                await set_paused(first, True)  # held in place from here
+                counts.append(await asyncio.to_thread(detokenizer_states))
+                again = await second.post("/generate", json=body)
+                counts.append(await asyncio.to_thread(detokenizer_states))
+                aborter = first if abort_through == "owner" else second
+                aborted = (await aborter.post("/abort_request", json={"rid": "dup"})).json()
+                events = [json.loads(ln[6:]) async for ln in lines if ln.startswith("data: {")]
+        finally:
+            await set_paused(first, False)
+            await first.aclose()
+            await second.aclose()
+        return counts, again, aborted, events[-1]
+
+    counts, again, aborted, last = asyncio.run(go())
+    assert again.status_code == 400 and "dup" in again.text, again.text
+    assert counts == [1, 1]  # the refusal did not end the first request's state
+    assert aborted == {"success": True, "num_aborted": 1}
+    assert last["meta_info"]["finish_reason"]["type"] == "abort", last
+    _assert_idle(two, 2)
+
+
 def test_images_through_every_worker(
     tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str
 ) -> None:
@@ -411,5 +459,44 @@ def test_sigterm_drains_every_worker_then_exits_zero(
         resp = asyncio.run(go())
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 16
+        assert srv.proc.wait(30) == 0
+        _assert_all_gone(procs)
+
+
+def test_a_fan_out_during_the_drain_does_not_wait_for_a_worker_that_left(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SIGTERM with a long request on worker 0: worker 1, with nothing in flight, ends its
+    drain and exits (announcing it); /get_server_info and an abort by rid through worker 0,
+    each a fan-out, then answer without waiting out the 10 s a silent worker would cost."""
+    args = ["--tokenizer-worker-num", "2", "--no-embedding-model", "--shutdown-timeout", "300"]
+    with _server(tmp_path_factory, "workers_left", args) as srv:
+        procs = _tree(srv)
+        worker_1 = next(p for p in procs if "sluice::http-1" in " ".join(p.cmdline()))
+
+        async def go() -> tuple[float, dict[str, Any], float, dict[str, Any], httpx.Response]:
+            client, _ = await _aclient_on(srv.base, lambda w: w == 0)
+            async with contextlib.aclosing(client):
+                await set_paused(client, True)  # into the queue first; the drain continues it
+                body = {"text": "Tell me a long story.", "rid": "long", "sampling_params": HELD}
+                call = asyncio.create_task(client.post("/generate", json=body))
+                await _waiting(srv, 1)
+                srv.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(worker_1.wait, 60)  # gone (its code: the launcher logs it)
+                start = time.monotonic()
+                info = await client.get("/get_server_info")
+                info_s = time.monotonic() - start
+                assert info.status_code == 200, (info_s, info.text)
+                start = time.monotonic()
+                aborted = await client.post("/abort_request", json={"rid": "long"})
+                abort_s = time.monotonic() - start
+                assert aborted.status_code == 200, (abort_s, aborted.text)
+                return info_s, info.json(), abort_s, aborted.json(), await call
+
+        info_s, info, abort_s, aborted, resp = asyncio.run(go())
+        assert info_s < 5 and abort_s < 5, (info_s, abort_s)  # a silent worker: 10 s each
+        assert [w["index"] for w in info["tokenizer_workers"]] == [0]
+        assert aborted == {"success": True, "num_aborted": 1}
+        assert resp.json()["meta_info"]["finish_reason"]["type"] == "abort", resp.text
         assert srv.proc.wait(30) == 0
         _assert_all_gone(procs)

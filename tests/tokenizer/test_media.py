@@ -679,6 +679,47 @@ def test_decoding_runs_in_a_process_pool_started_by_the_first_image() -> None:
     run(main())
 
 
+_ABANDONING_OWNER = """
+import asyncio, base64, io, os
+from PIL import Image
+from sluice.tokenizer.media import MediaManager, MediaPolicy
+
+async def main():
+    m = MediaManager(MediaPolicy(), num_workers=1)
+    buf = io.BytesIO()
+    Image.new("RGB", (3, 4)).save(buf, format="PNG")
+    await m.load_image("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    print(" ".join(str(pid) for pid in m._executor._processes), flush=True)
+
+asyncio.run(main())
+os._exit(0)  # as a stop signal ends an HTTP process: no close, no atexit
+"""
+
+
+def test_the_pool_goes_with_its_owner_however_it_ends() -> None:
+    """The owner exits without closing the pool: its processes exit within seconds (they
+    watch their parent) instead of waiting for work forever."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    out = subprocess.run(
+        [sys.executable, "-c", _ABANDONING_OWNER], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids  # the pool starts a process per image in flight, up to its size
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=20)
+    for proc in alive:  # leave nothing behind even when failing
+        proc.kill()
+    assert not alive
+
+
 # ---- errors and configuration -----------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import zmq
 
 from sluice.messages import (
@@ -56,6 +57,13 @@ def test_shorter_lists_stay_whole() -> None:
     (_, x), (_, y) = split_by_owner(out, out.reply_to)
     assert x.rids == ["a"] and x.reply_to == ["x"] and x.cached_tokens == []
     assert y.embeddings == [b"2"] and y.prompt_tokens == [4]
+
+
+def test_a_column_of_another_length_is_refused() -> None:
+    out = _str_output(["a", "b", "c"])
+    out.texts = ["only one"]
+    with pytest.raises(ValueError, match="texts has 1 rows, not 3"):
+        split_by_owner(out, ["w0", "w1", "w0"])
 
 
 def test_outbox_routes_by_owner(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from sluice.tokenizer.media.decode import DecodedImage, decode_image
 from sluice.tokenizer.media.fetch import MediaFetcher, Resolve, system_resolve
 from sluice.tokenizer.media.policy import MediaError, MediaPolicy
 from sluice.tokenizer.media.process import ProcessedImage, process_image
+from sluice.utils import ipc
 
 if TYPE_CHECKING:
     from sluice.config import ServerArgs
@@ -193,6 +194,9 @@ class MediaManager:
             self._executor = ProcessPoolExecutor(
                 resolve_num_workers(self._num_workers),
                 mp_context=multiprocessing.get_context("spawn"),  # no fork of a threaded loop
+                # a pool process waits for work forever: it goes with its HTTP process, however
+                # that one ends (a stop signal's os._exit skips `close`)
+                initializer=ipc.die_with_parent,
             )
         return self._executor
 

@@ -83,7 +83,8 @@ async def parse_body(request: Request, model_cls: type[M]) -> M:
         raise APIError(400, "request body is nested too deeply", "invalid_json") from None
     except ValueError as exc:  # UnicodeDecodeError (bytes that are not UTF-8) among them
         raise APIError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-    if "\\u" in text and _has_lone_surrogate(data):
+    # "\\" first: one byte searched fast; a body without escapes has no surrogate escape
+    if "\\" in text and "\\u" in text and _has_lone_surrogate(data):
         raise APIError(
             400, "request body is not valid JSON: a string holds a lone UTF-16 surrogate "
             "(an unpaired \\ud800-\\udfff escape)", "invalid_json",

@@ -58,6 +58,7 @@ LLAMA_CTX_PER_SLOT = 640  # tokens of llama-server context per parallel slot
 WARMUP_REQUESTS = 2
 WARMUP_OUTPUT = 8
 HEALTH_TIMEOUT_S = 300.0
+JSON = {"content-type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -169,13 +170,17 @@ def _is_token_chunk(msg: dict) -> bool:
     return bool(_chunk_text(choices[0])) or choices[0].get("finish_reason") is None
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, payload: dict) -> RequestStats:
-    """One streamed request to `/v1/completions` or `/v1/chat/completions` (SSE)."""
+async def stream_request(
+    client: httpx.AsyncClient, url: str, payload: dict | bytes
+) -> RequestStats:
+    """One streamed request to `/v1/completions` or `/v1/chat/completions` (SSE). `payload`
+    as bytes: the JSON body, encoded by the caller before the clock starts."""
+    body = {"json": payload} if isinstance(payload, dict) else {"content": payload, "headers": JSON}
     start = last = time.perf_counter()
     ttft, itls, chunks, usage = None, [], 0, None
     texts: list[str] = []
     finish_reason = None
-    async with client.stream("POST", url, json=payload) as resp:
+    async with client.stream("POST", url, **body) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"HTTP {resp.status_code}: {body[:300]}")
@@ -214,7 +219,7 @@ async def _drive(base_url: str, prompts: list[list[int]], output_len: int, concu
     return await drive(base_url + "/v1/completions", payloads, concurrency)
 
 
-async def drive(url: str, payloads: list[dict], concurrency: int):
+async def drive(url: str, payloads: list[dict] | list[bytes], concurrency: int):
     """Closed loop: `concurrency` workers share one queue of request bodies, streamed to `url`.
     Returns (stats, errors, s); stats[i] is None where payloads[i] failed."""
     queue = list(reversed(list(enumerate(payloads))))

@@ -745,6 +745,7 @@ def test_flags_build_the_policy(tmp_path: Any) -> None:
         "--max-image-bytes", "1000",
         "--max-image-pixels", "4000",
         "--max-images-per-request", "3",
+        "--max-image-tiles-per-request", "5",
         "--max-media-redirects", "1",
         "--media-cache-mb", "8",
         "--num-media-workers", "2",
@@ -761,6 +762,7 @@ def test_flags_build_the_policy(tmp_path: Any) -> None:
         max_image_bytes=1000,
         max_image_pixels=4000,
         max_images=3,
+        max_tiles=5,
     )
     manager = MediaManager.from_args(args)
     assert manager.cache.capacity == 8 * 1024 * 1024 and not manager.is_pool_started

@@ -144,8 +144,12 @@ class MediaManager:
 
     async def process_images(self, urls: Sequence[str]) -> list[ProcessedImage]:
         """All images of one request as the model takes them (`processor_dir`'s processor),
-        in order; the first refusal cancels the others."""
-        return await self._gather(self.process_image, urls)
+        in order; the first refusal cancels the others. More tiles in all than the policy
+        allows is a refusal (their pixels stay in the cache)."""
+        images = await self._gather(self.process_image, urls)
+        num_tiles = sum(len(image.tiles) for image in images)
+        self.policy.check_num_tiles(num_tiles, len(images), sum(i.nbytes for i in images))
+        return images
 
     async def load_image(self, url: str) -> DecodedImage:
         return await self._load(url, self.cache, decode_image)

@@ -191,7 +191,7 @@ class ServerArgs:
     )
     max_images_per_request: int = _opt(16, "images in one request", at_least=0)
     max_image_tiles_per_request: int = _opt(
-        64,
+        128,
         "tiles of all the images of one request, as the image processor cut them (a LLaVA "
         "image is one tile; an Idefics3 / SmolVLM image a grid of tiles and the global image)",
         at_least=1,

@@ -35,7 +35,8 @@ def idefics3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, idefics3_dir: str) -> Iterator[LiveServer]:
     log = tmp_path_factory.mktemp("e2e_idefics3_server") / "server.log"
-    with running_server(idefics3_dir, SERVER_ARGS, log) as srv:
+    args = [*SERVER_ARGS, "--max-image-tiles-per-request", "64"]
+    with running_server(idefics3_dir, args, log) as srv:
         yield srv
 
 
@@ -108,7 +109,7 @@ def test_placeholders_must_match_the_images(server) -> None:
 
 
 def test_too_many_tiles_in_one_request_is_a_400(server) -> None:
-    """13 images of 2x2 tiles and the global image: 65 tiles, over the default 64 (refused
+    """13 images of 2x2 tiles and the global image: 65 tiles, over the server's 64 (refused
     before the prompt's length is checked: 1040 positions, past the tiny model's 512)."""
     image = _data_uri(_image(3))
     body = {"text": "<image>" * 13, "image_data": [image] * 13,

@@ -135,7 +135,7 @@ class MediaPolicy:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 25_000_000
     max_images: int = 16  # per request
-    max_tiles: int = 64  # per request, of the processed images
+    max_tiles: int = 128  # per request, of the processed images
 
     def __post_init__(self) -> None:
         domains = tuple(normalize_domain(d) for d in self.allowed_domains if d.strip())

@@ -62,6 +62,7 @@ LLAMA_CTX_PER_SLOT = 640  # tokens of llama-server context per parallel slot
 WARMUP_REQUESTS = 2
 WARMUP_OUTPUT = 8
 HEALTH_TIMEOUT_S = 300.0
+JSON = {"content-type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -188,13 +189,17 @@ def _is_token_chunk(msg: dict) -> bool:
     return bool(_chunk_text(choices[0])) or choices[0].get("finish_reason") is None
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, payload: dict) -> RequestStats:
-    """One streamed request to `/v1/completions` or `/v1/chat/completions` (SSE)."""
+async def stream_request(
+    client: httpx.AsyncClient, url: str, payload: dict | bytes
+) -> RequestStats:
+    """One streamed request to `/v1/completions` or `/v1/chat/completions` (SSE). `payload`
+    as bytes: the JSON body, encoded by the caller before the clock starts."""
+    body = {"json": payload} if isinstance(payload, dict) else {"content": payload, "headers": JSON}
     start = last = time.perf_counter()
     ttft, itls, chunks, usage = None, [], 0, None
     texts: list[str] = []
     finish_reason = None
-    async with client.stream("POST", url, json=payload) as resp:
+    async with client.stream("POST", url, **body) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"HTTP {resp.status_code}: {body[:300]}")
@@ -251,10 +256,10 @@ async def _drive(base_url: str, prompts: list, wl_or_len: Workload | int, concur
     return await drive(base_url + "/v1/completions", payloads, concurrency)
 
 
-async def drive(url: str, payloads: list[dict], concurrency: int, send=stream_request):
-    """Closed loop: `concurrency` workers share one queue of request bodies, sent to `url` by
-    `send` (streamed completions by default). Returns (stats, errors, s); stats[i] is None
-    where payloads[i] failed."""
+async def drive(url: str, payloads: list[dict] | list[bytes], concurrency: int, send=stream_request):
+    """Closed loop: `concurrency` workers share one queue of request bodies (dicts, or bytes
+    already JSON-encoded), sent to `url` by `send` (streamed completions by default). Returns
+    (stats, errors, s); stats[i] is None where payloads[i] failed."""
     queue = list(reversed(list(enumerate(payloads))))
     stats: list[RequestStats | None] = [None] * len(payloads)
     errors: list[str] = []

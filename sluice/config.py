@@ -190,6 +190,12 @@ class ServerArgs:
         25_000_000, "width x height per image, checked before decoding", at_least=1
     )
     max_images_per_request: int = _opt(16, "images in one request", at_least=0)
+    max_image_tiles_per_request: int = _opt(
+        128,
+        "tiles of all the images of one request, as the image processor cut them (a LLaVA "
+        "image is one tile; an Idefics3 / SmolVLM image a grid of tiles and the global image)",
+        at_least=1,
+    )
     media_cache_mb: int = _opt(
         256, "MiB of decoded (or processed) images kept by content hash (0: no cache)", at_least=0
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -76,8 +77,29 @@ async def parse_body(request: Request, model_cls: type[M]) -> M:
     """The JSON body as `model_cls`; malformed JSON or a wrong field is a 400. Strict JSON: UTF-8
     (json.loads alone would take UTF-16 and UTF-32 too), no NaN or Infinity, and text is Unicode
     (no lone surrogate escapes such as "\\ud800")."""
+    data = decode_json(await request.body())
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", "invalid_request_error")
     try:
-        text = (await request.body()).decode("utf-8")
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from None
+
+
+_FAST_JSON = msgspec.json.Decoder()
+
+
+def decode_json(body: bytes) -> Any:
+    """`body` as JSON, or the 400 that says why not. msgspec's decoder takes strict JSON alone
+    (UTF-8, no NaN or Infinity, no lone surrogate), about twice as fast as json on a large body
+    (a 400 KB image); whatever it refuses goes through json.loads and the checks after it, so
+    errors read as before and a number past the float range is still inf."""
+    try:
+        return _FAST_JSON.decode(body)
+    except (msgspec.MsgspecError, RecursionError):
+        pass
+    try:
+        text = body.decode("utf-8")
         data = json.loads(text, parse_constant=_not_json)
     except RecursionError:
         raise APIError(400, "request body is nested too deeply", "invalid_json") from None
@@ -88,12 +110,7 @@ async def parse_body(request: Request, model_cls: type[M]) -> M:
             400, "request body is not valid JSON: a string holds a lone UTF-16 surrogate "
             "(an unpaired \\ud800-\\udfff escape)", "invalid_json",
         )  # fmt: skip
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", "invalid_request_error")
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from None
+    return data
 
 
 def _not_json(constant: str) -> Any:

@@ -574,6 +574,19 @@ def test_surrogate_pairs_are_text(client, fake_tm) -> None:
     assert fake_tm.templates[-1][0]["content"] == "😀"
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b'{"a": [1, -0.0, 1.5e-320, 123456789012345678901234567890, true, null]}',
+     b'{"a": "\\u00e9\\ud83d\\ude00\\n\\/", "a": "last wins", "b": "\x7f\xc3\xa9"}',
+     b' {"a": 1e400} ', b'{"messages": [{"content": "' + b"A" * 300_000 + b'"}]}'],
+)  # fmt: skip
+def test_valid_json_decodes_as_json_does(body: bytes) -> None:
+    """Whichever decoder answers (msgspec first, json for a number past the float range)."""
+    from sluice.server.serving_base import decode_json
+
+    assert decode_json(body) == json.loads(body.decode())
+
+
 def test_a_request_error_raised_in_any_route_is_its_400(client, fake_tm) -> None:
     async def refuse(*args, **kwargs):
         raise RequestError("give a rid or abort_all", param="rid")

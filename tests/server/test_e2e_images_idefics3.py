@@ -1,7 +1,7 @@
 """Images split into tiles through the real server (tiny Idefics3, float32): a chat with an
 image and /generate with two images give transformers' greedy tokens for the same inputs (the
 Idefics3Processor's prompt and tiles); a repeated image hits the prefix cache on all its tiles;
-a mismatch of placeholders and images is a 400."""
+a mismatch of placeholders and images, or more tiles than a request may have, is a 400."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def idefics3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_dir: str) 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, idefics3_dir: str) -> Iterator[LiveServer]:
     log = tmp_path_factory.mktemp("e2e_idefics3_server") / "server.log"
-    with running_server(idefics3_dir, SERVER_ARGS, log) as srv:
+    args = [*SERVER_ARGS, "--max-image-tiles-per-request", "64"]
+    with running_server(idefics3_dir, args, log) as srv:
         yield srv
 
 
@@ -105,6 +106,24 @@ def test_placeholders_must_match_the_images(server) -> None:
     resp = httpx.post(f"{server.base}/generate", json=body, timeout=60)
     assert resp.status_code == 400 and "2 image placeholders for 1 images" in resp.text
     assert _chat(server, [{"role": "user", "content": "hello"}]).status_code == 200
+
+
+def test_too_many_tiles_in_one_request_is_a_400(server) -> None:
+    """13 images of 2x2 tiles and the global image: 65 tiles, over the server's 64 (refused
+    before the prompt's length is checked: 1040 positions, past the tiny model's 512)."""
+    image = _data_uri(_image(3))
+    body = {"text": "<image>" * 13, "image_data": [image] * 13,
+            "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+    resp = httpx.post(f"{server.base}/generate", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "too_many_image_tiles"
+    message = error["message"]
+    assert "the request's 13 images make 65 tiles" in message
+    assert "over the limit of 64 tiles per request (--max-image-tiles-per-request)" in message
+    body.update(text="<image>", image_data=[image])  # served: the refusal left nothing stuck
+    again = httpx.post(f"{server.base}/generate", json=body, timeout=60)
+    assert again.status_code == 200, again.text
 
 
 def test_no_state_left_behind(server) -> None:

@@ -16,7 +16,7 @@ from sluice.checkpoint.model_config import ModelConfig
 from sluice.checkpoint.vision import ImageSlots
 from sluice.tokenizer.image_grid import TILE, GridMarkers
 from sluice.tokenizer.images import expand_images, image_ids
-from sluice.tokenizer.media import MediaManager, MediaPolicy
+from sluice.tokenizer.media import MediaError, MediaManager, MediaPolicy
 from sluice.tokenizer.media.process import ProcessedImage
 from sluice.tokenizer.normalize import RequestError
 from tests.tiny_models import make_tiny_idefics3
@@ -53,10 +53,12 @@ def _pil(data: bytes):
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
-def _process(model_dir: str, pngs: list[bytes]) -> list[ProcessedImage]:
+def _process(
+    model_dir: str, pngs: list[bytes], policy: MediaPolicy | None = None
+) -> list[ProcessedImage]:
     async def go() -> list[ProcessedImage]:
         manager = MediaManager(
-            MediaPolicy(), executor=ThreadPoolExecutor(1), processor_dir=model_dir
+            policy or MediaPolicy(), executor=ThreadPoolExecutor(1), processor_dir=model_dir
         )
         try:
             uris = ["data:image/png;base64," + base64.b64encode(p).decode() for p in pngs]
@@ -83,6 +85,19 @@ def test_the_processor_gives_every_tile_and_the_grid(tiny_idefics3: str, hf) -> 
         want = hf.image_processor([[_pil(png)]], return_tensors="np")["pixel_values"][0]
         assert image.tiles.shape == (image.grid[0] * image.grid[1] + 1, 3, 32, 32)
         assert np.array_equal(image.tiles, want)
+
+
+def test_the_tiles_of_a_request_are_bounded(tiny_idefics3: str) -> None:
+    pngs = [_png(k, size) for k, size in enumerate(SIZES.values())]  # 3 + 3 + 5 tiles
+    assert len(_process(tiny_idefics3, pngs, MediaPolicy(max_tiles=11))) == 3
+    with pytest.raises(MediaError) as info:
+        _process(tiny_idefics3, pngs, MediaPolicy(max_tiles=10))
+    pixels = 11 * 3 * 32 * 32 * 4
+    assert info.value.message == (
+        f"the request's 3 images make 11 tiles ({pixels} bytes of pixels), over the limit of "
+        "10 tiles per request (--max-image-tiles-per-request)"
+    )
+    assert info.value.status_code == 400 and info.value.code == "too_many_image_tiles"
 
 
 @pytest.mark.parametrize(

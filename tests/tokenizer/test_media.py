@@ -635,6 +635,51 @@ def test_images_are_cached_by_content_hash() -> None:
     executor.shutdown()
 
 
+def test_a_repeated_data_uri_is_neither_decoded_nor_hashed_again() -> None:
+    executor = CountingExecutor()
+    png, jpeg = image_bytes("PNG"), image_bytes("JPEG", color=(1, 2, 3))
+
+    async def main() -> None:
+        m = MediaManager(MediaPolicy(), cache_bytes=100, executor=executor)  # 36 B an image
+        try:
+            first = await m.load_image(data_uri(png))
+            assert (m.num_fetched, executor.num_submitted) == (1, 1)
+            again = await m.load_image(data_uri(png))  # the same text: no base64, no worker
+            assert again is first and (m.num_fetched, executor.num_submitted) == (1, 1)
+            unpadded = await m.load_image(data_uri(png).rstrip("="))  # other text, same bytes
+            assert unpadded is first and (m.num_fetched, executor.num_submitted) == (2, 1)
+            other = await m.load_image(data_uri(jpeg))
+            assert other.hash == hashlib.sha256(jpeg).hexdigest() != first.hash
+            assert (m.num_fetched, executor.num_submitted) == (3, 2)
+            for color in range(3):  # the cache holds 2 images: png's is evicted
+                await m.load_image(data_uri(image_bytes("PNG", color=(color, 0, 0))))
+            evicted = await m.load_image(data_uri(png))  # known text, image gone: decoded again
+            assert evicted.hash == first.hash and executor.num_submitted == 6
+            assert m.num_fetched == 7
+        finally:
+            await m.close()
+
+    run(main())
+    executor.shutdown()
+
+
+def test_remembered_data_uris_are_bounded() -> None:
+    pngs = [image_bytes("PNG", color=(c, 0, 0)) for c in range(3)]
+
+    async def main() -> None:
+        m = MediaManager(MediaPolicy(), executor=EXECUTOR, max_uri_keys=2)
+        try:
+            for png in pngs:
+                await m.load_image(data_uri(png))
+            assert len(m.uri_hashes) == 2  # the first one's text is forgotten
+            await m.load_image(data_uri(pngs[0]))  # decoded (and hashed) again
+            assert m.num_fetched == 4 and len(m.cache) == 3
+        finally:
+            await m.close()
+
+    run(main())
+
+
 def test_image_cache_is_bounded_by_bytes_lru_first() -> None:
     def img(name: str, side: int) -> DecodedImage:
         return DecodedImage(name, "PNG", np.zeros((side, side, 3), np.uint8))
@@ -741,6 +786,7 @@ def test_flags_build_the_policy(tmp_path: Any) -> None:
         "--max-image-bytes", "1000",
         "--max-image-pixels", "4000",
         "--max-images-per-request", "3",
+        "--max-image-tiles-per-request", "5",
         "--max-media-redirects", "1",
         "--media-cache-mb", "8",
         "--num-media-workers", "2",
@@ -757,6 +803,7 @@ def test_flags_build_the_policy(tmp_path: Any) -> None:
         max_image_bytes=1000,
         max_image_pixels=4000,
         max_images=3,
+        max_tiles=5,
     )
     manager = MediaManager.from_args(args)
     assert manager.cache.capacity == 8 * 1024 * 1024 and not manager.is_pool_started

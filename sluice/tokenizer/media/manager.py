@@ -8,6 +8,12 @@ image work never holds the GIL the event loop needs; a worker decodes and, for
 caches of results keyed by the sha256 of the image's bytes. That hash is the image's identity
 downstream (the radix cache's placeholder ids come from it).
 
+A `data:` URI seen before is answered without decoding its base64: the sha256 of the URI's text
+is remembered with the hash of the bytes it decoded to (the same text always decodes to the same
+bytes, under the one policy of the process), so a repeated image costs one hash of its text and
+two lookups. The same image sent as another text (other base64 line breaks, a URL) is decoded
+and hashed as any new reference, and then found in the caches by its bytes' hash.
+
 Cancellation: cancelling `load_images` cancels every fetch (their connections close); a decode
 already running in a worker finishes there and its result is dropped, bounded in time by the
 pixel limit; a decode not yet started never runs.
@@ -39,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _OFF_LOOP_LEN = 1024 * 1024  # bytes hashed in a thread past this (hashlib releases the GIL)
+MAX_URI_KEYS = 4096  # data: URIs remembered (their text's hash -> their bytes' hash)
 
 
 class _Image(Protocol):
@@ -100,15 +107,20 @@ class MediaManager:
         executor: Executor | None = None,
         resolve: Resolve = system_resolve,
         processor_dir: str | None = None,
+        max_uri_keys: int = MAX_URI_KEYS,
     ) -> None:
         """`executor` (tests: a thread pool) replaces the process pool, and is not shut down
         by `close()`; `resolve` replaces DNS; `processor_dir`: the checkpoint whose image
-        processor `process_images` runs."""
+        processor `process_images` runs; `max_uri_keys`: data: URIs remembered."""
         self.policy = policy
         self.fetcher = MediaFetcher(policy, resolve)
         self.cache: ImageCache[DecodedImage] = ImageCache(cache_bytes)
         self.processed_cache: ImageCache[ProcessedImage] = ImageCache(cache_bytes)
         self.processor_dir = processor_dir
+        # sha256 of a data: URI's text -> sha256 of its bytes; least recently used out first
+        self.uri_hashes: OrderedDict[str, str] = OrderedDict()
+        self.max_uri_keys = max_uri_keys
+        self.num_fetched = 0  # references fetched or base64-decoded (no cache answered them)
         self._num_workers = num_workers
         self._executor = executor
         self._owns_executor = executor is None
@@ -133,8 +145,12 @@ class MediaManager:
 
     async def process_images(self, urls: Sequence[str]) -> list[ProcessedImage]:
         """All images of one request as the model takes them (`processor_dir`'s processor),
-        in order; the first refusal cancels the others."""
-        return await self._gather(self.process_image, urls)
+        in order; the first refusal cancels the others. More tiles in all than the policy
+        allows is a refusal (their pixels stay in the cache)."""
+        images = await self._gather(self.process_image, urls)
+        num_tiles = sum(len(image.tiles) for image in images)
+        self.policy.check_num_tiles(num_tiles, len(images), sum(i.nbytes for i in images))
+        return images
 
     async def load_image(self, url: str) -> DecodedImage:
         return await self._load(url, self.cache, decode_image)
@@ -160,18 +176,32 @@ class MediaManager:
         return [task.result() for task in tasks]
 
     async def _load(self, url: str, cache: ImageCache[ImageT], work: Any) -> ImageT:
-        """Fetch, hash, and (on a cache miss) run `work(data, hash, max_pixels)` in a worker."""
+        """Fetch, hash, and (on a cache miss) run `work(data, hash, max_pixels)` in a worker;
+        a data: URI seen before whose image is still cached is neither decoded nor hashed."""
+        uri_key = await _hash(url.encode("utf-8", "surrogatepass")) if _is_data_uri(url) else None
+        if uri_key is not None:
+            known = self.uri_hashes.get(uri_key)
+            cached = cache.get(known) if known is not None else None
+            if cached is not None:
+                self.uri_hashes.move_to_end(uri_key)
+                return cached
         data = await self.fetcher.fetch(url)
-        if len(data) > _OFF_LOOP_LEN:
-            image_hash = await asyncio.to_thread(_sha256, data)
-        else:
-            image_hash = _sha256(data)
+        self.num_fetched += 1
+        image_hash = await _hash(data)
+        if uri_key is not None:
+            self._remember_uri(uri_key, image_hash)
         cached = cache.get(image_hash)
         if cached is not None:
             return cached
         image = await self._in_worker(work, data, image_hash)
         cache.put(image)
         return image
+
+    def _remember_uri(self, uri_key: str, image_hash: str) -> None:
+        self.uri_hashes[uri_key] = image_hash
+        self.uri_hashes.move_to_end(uri_key)
+        while len(self.uri_hashes) > self.max_uri_keys:
+            self.uri_hashes.popitem(last=False)
 
     async def _in_worker(self, work: Any, data: bytes, image_hash: str) -> Any:
         loop = asyncio.get_running_loop()
@@ -203,6 +233,17 @@ class MediaManager:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+async def _hash(data: bytes) -> str:
+    """sha256 of `data`, hex; in a thread past _OFF_LOOP_LEN (the event loop keeps going)."""
+    if len(data) > _OFF_LOOP_LEN:
+        return await asyncio.to_thread(_sha256, data)
+    return _sha256(data)
+
+
+def _is_data_uri(url: str) -> bool:
+    return url[:5].lower() == "data:"
 
 
 def _first_error(group_error: BaseExceptionGroup) -> BaseException:

@@ -135,6 +135,7 @@ class MediaPolicy:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 25_000_000
     max_images: int = 16  # per request
+    max_tiles: int = 128  # per request, of the processed images
 
     def __post_init__(self) -> None:
         domains = tuple(normalize_domain(d) for d in self.allowed_domains if d.strip())
@@ -158,6 +159,7 @@ class MediaPolicy:
             max_image_bytes=args.max_image_bytes,
             max_image_pixels=args.max_image_pixels,
             max_images=args.max_images_per_request,
+            max_tiles=args.max_image_tiles_per_request,
         )
 
     def check_num_images(self, num_images: int) -> None:
@@ -166,6 +168,16 @@ class MediaPolicy:
                 f"the request has {num_images} images, over the limit of {self.max_images} "
                 "per request (--max-images-per-request)",
                 code="too_many_images",
+            )
+
+    def check_num_tiles(self, num_tiles: int, num_images: int, pixel_len: int) -> None:
+        """The processed images of one request: at most `max_tiles` tiles in all."""
+        if num_tiles > self.max_tiles:
+            raise MediaError(
+                f"the request's {num_images} images make {num_tiles} tiles "
+                f"({format_bytes(pixel_len)} of pixels), over the limit of {self.max_tiles} "
+                "tiles per request (--max-image-tiles-per-request)",
+                code="too_many_image_tiles",
             )
 
     def too_many_bytes(self, source: str, byte_len: int | None = None) -> MediaError:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from sluice.checkpoint.model_config import ModelConfig
-from sluice.model.quant import BLOCK_TYPES, BLOCK_VALUES, QuantLinear
+from sluice.model.quant import BLOCK_TYPES, QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ _PART_ORDER = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")  # order of f
 
 @dataclass(frozen=True)
 class BlockTensor:
-    """One GGUF tensor's blocks: [rows, in_features / 32 * block_bytes] uint8."""
+    """One GGUF tensor's blocks: [rows, in_features / block_values * block_bytes] uint8."""
 
     kind: str  # attn_q, ffn_up, ..., or "lm_head"
     qtype: int  # ggml type id
@@ -127,7 +127,7 @@ def _module_of(gguf_name: str, lm_head_from_embedding: bool) -> tuple[str | None
 def _fuse(parts: list[BlockTensor]) -> np.ndarray | None:
     """The rows of `parts` stacked, when they share one kernel type and width; else None."""
     qtype, width = parts[0].qtype, parts[0].in_features
-    if qtype not in BLOCK_TYPES or width % BLOCK_VALUES:
+    if qtype not in BLOCK_TYPES or width % BLOCK_TYPES[qtype][2]:
         return None
     if any(p.qtype != qtype or p.in_features != width for p in parts):
         return None

@@ -236,6 +236,8 @@ _PARTS = {
 
 
 def _type_of(layer: int, part: str):
+    if part == "output":
+        return T.Q8_0
     if layer == 1 and part == "attn_v":
         return T.Q8_0
     return {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0, "ffn_down": T.Q8_0}.get(
@@ -249,9 +251,12 @@ def _to_llama_cpp_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, half, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(hf_dir: str, out: Path) -> tuple[str, str]:
+def _write_tiny_gguf(
+    hf_dir: str, out: Path, type_of=_type_of, encode=quantize
+) -> tuple[str, str]:
     """(a GGUF of the tiny model's linear weights in block types, an HF dir whose float weights
-    are exactly what those blocks hold)."""
+    are exactly what those blocks hold). type_of(layer, part): a weight's type (layer -1 for the
+    LM head, part "output"); encode(w, qtype): its blocks, the rows in the file's order."""
     from safetensors.numpy import load_file, save_file
 
     from sluice.checkpoint.gguf_convert import _unpermute_rope_rows
@@ -272,9 +277,9 @@ def _write_tiny_gguf(hf_dir: str, out: Path) -> tuple[str, str]:
             heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(part, 0)  # fmt: skip
         else:
             continue
-        qtype = T.Q8_0 if part == "output" else _type_of(int(name.split(".")[2]), part)
+        qtype = type_of(-1 if part == "output" else int(name.split(".")[2]), part)
         stored = _to_llama_cpp_rows(w, heads) if heads else w
-        raw = quantize(stored.astype(np.float32), qtype)
+        raw = encode(stored.astype(np.float32), qtype)
         writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=qtype)
         back = dequantize(raw, qtype).reshape(w.shape).astype(np.float32)
         floats[name] = np.ascontiguousarray(_unpermute_rope_rows(back, heads) if heads else back)

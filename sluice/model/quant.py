@@ -124,6 +124,26 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {name}"
 
 
+class QuantLinearParts(nn.Module):
+    """A fused linear layer (qkv_proj, gate_up_proj) whose parts a GGUF holds in different block
+    types, as Q4_K_M files do (q and k in Q4_K, v in Q6_K): one QuantLinear a part, their outputs
+    side by side, then the fused bias. y [T, sum of the parts' out_features] in x's dtype."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
+            raise ValueError("the parts of a fused layer share in_features and have no bias")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features]
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
 class _PlainLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -4,7 +4,7 @@
   float64 matmul, for Q8_0, Q4_0 and Q4_1, float32 and bfloat16, several shapes; once as built
   for this CPU and once built without AVX-512 (the AVX2 path of CPUs such as AMD Zen 3).
 - A tiny llama written as a GGUF by gguf's GGUFWriter (quantized by gguf.quants, q/k rows in
-  llama.cpp's order, one fused group of mixed types that must stay float): the model with its
+  llama.cpp's order, one fused group of mixed types: a QuantLinear a part): the model with its
   blocks kept gives the logits of the same model with the dequantized weights.
 - The default SmolLM2 Q4_1 GGUF: its blocks, q/k reordered and fused, equal the float
   conversion; and through the Engine, greedy tokens and logprobs of `--quantization gguf`
@@ -35,7 +35,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from sluice.checkpoint.model_config import ModelConfig  # noqa: E402
 from sluice.model.kernels import QUANT_SOURCE, _build, quant_ops  # noqa: E402
-from sluice.model.quant import QuantLinear, resolve_quantization  # noqa: E402
+from sluice.model.quant import QuantLinear, QuantLinearParts, resolve_quantization  # noqa: E402
 from sluice.utils.system import cpu_flags  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -209,7 +209,7 @@ def test_quant_linear_refuses_what_it_cannot_take(native_ops) -> None:
     with pytest.raises(RuntimeError, match="bytes a row"):
         native_ops.quant_linear(torch.randn(1, 64), raw, int(T.Q8_0))
     with pytest.raises(RuntimeError, match="type must be"):
-        native_ops.quant_linear(torch.randn(1, 64), raw, 12)
+        native_ops.quant_linear(torch.randn(1, 64), raw, 13)  # Q5_K
 
 
 def test_quant_linear_module_dense_copy_for_many_rows(native_ops) -> None:
@@ -227,7 +227,7 @@ def test_quant_linear_module_dense_copy_for_many_rows(native_ops) -> None:
 # ----------------------------------------------------------------------------- a tiny GGUF
 
 # HF name part -> GGUF name part, and the type each is written in (attn_v differs from q/k in
-# layer 1, so that layer's qkv_proj must stay float)
+# layer 1, so that layer's qkv_proj is a QuantLinearParts)
 _PARTS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -251,9 +251,7 @@ def _to_llama_cpp_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, half, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(
-    hf_dir: str, out: Path, type_of=_type_of, encode=quantize
-) -> tuple[str, str]:
+def _write_tiny_gguf(hf_dir: str, out: Path, type_of=_type_of, encode=quantize) -> tuple[str, str]:
     """(a GGUF of the tiny model's linear weights in block types, an HF dir whose float weights
     are exactly what those blocks hold). type_of(layer, part): a weight's type (layer -1 for the
     LM head, part "output"); encode(w, qtype): its blocks, the rows in the file's order."""
@@ -328,7 +326,9 @@ def test_a_tiny_gguf_with_its_blocks_kept_gives_the_dequantized_models_logits(
     assert f"{total.group(1)}M parameters, {blocks / 1e6:.0f}M of them in blocks" in logs[0]
     layers = quantized.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
-    assert not isinstance(layers[1].self_attn.qkv_proj, QuantLinear)  # Q4_0/Q4_0/Q8_0: float
+    mixed = layers[1].self_attn.qkv_proj  # Q4_0/Q4_0/Q8_0: a QuantLinear a part
+    assert isinstance(mixed, QuantLinearParts)
+    assert [p.qtype for p in mixed.parts] == [int(T.Q4_0), int(T.Q4_0), int(T.Q8_0)]
     assert isinstance(layers[1].mlp.down_proj, QuantLinear)
     assert isinstance(quantized.model.lm_head, QuantLinear)
     ids = list(range(1000, 1020))
@@ -463,3 +463,22 @@ def test_engine_greedy_tokens_and_logprobs_with_blocks_kept(smollm2_gguf: str, c
     # the same weights, summed in another order: a near-tie may flip a token, rarely
     assert agree >= len(PROMPTS) - 2
     assert diff < 1e-3
+
+
+def test_quant_linear_parts_side_by_side_then_the_bias(native_ops) -> None:
+    (raw_a, w_a), (raw_b, w_b) = _blocks(24, 64, T.Q4_0), _blocks(9, 64, T.Q8_0, seed=2)
+    parts = [
+        QuantLinear(raw_a, int(T.Q4_0), 64, None, native_ops),
+        QuantLinear(raw_b, int(T.Q8_0), 64, None, native_ops),
+    ]
+    bias = torch.randn(33)
+    layer = QuantLinearParts(parts, bias.clone())
+    assert (layer.in_features, layer.out_features) == (64, 33)
+    x = torch.randn(3, 64)
+    want = torch.cat([parts[0](x), parts[1](x)], dim=-1) + bias
+    assert torch.equal(layer(x), want)
+    ref = x.double() @ torch.cat([w_a, w_b]).T + bias.double()
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
+    wider = QuantLinear(_blocks(4, 96, T.Q4_0)[0], int(T.Q4_0), 96, None, native_ops)
+    with pytest.raises(ValueError, match="share in_features"):
+        QuantLinearParts([parts[0], wider], None)

@@ -162,25 +162,33 @@ struct Scales {
 
 template <>
 struct Scales<Q4_K> {
-  float d[8], m[8];  // d * sc[g], dmin * mn[g]
+  alignas(64) float d[16];  // d * sc[g] for g = 0..7, then dmin * mn[g] at d[8 + g]
   void load(const uint8_t* b) {
+    uint32_t a, m, c;  // the 12 scale bytes as three words: sc[0..3], mn[0..3], their low halves
+    std::memcpy(&a, b + 4, 4);
+    std::memcpy(&m, b + 8, 4);
+    std::memcpy(&c, b + 12, 4);
+    const uint32_t six = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x30303030u;
+    // bytewise: (x >> 2) & 0x30 is each byte's top two bits moved to bits 4-5
+    const uint32_t words[4] = {a & six, (c & low4) | ((a >> 2) & top2), m & six,
+                               ((c >> 4) & low4) | ((m >> 2) & top2)};
+    v16u8 q;  // sc[0..7], mn[0..7]
+    std::memcpy(&q, words, 16);
     const float d0 = fp16_to_float(b), dmin = fp16_to_float(b + 2);
-    const uint8_t* s = b + 4;
-    for (int g = 0; g < 4; ++g) {
-      d[g] = d0 * static_cast<float>(s[g] & 63);
-      m[g] = dmin * static_cast<float>(s[g + 4] & 63);
-      d[g + 4] = d0 * static_cast<float>((s[g + 8] & 0xf) | ((s[g] >> 6) << 4));
-      m[g + 4] = dmin * static_cast<float>((s[g + 8] >> 4) | ((s[g + 4] >> 6) << 4));
-    }
+    const v16f dd = {d0, d0, d0, d0, d0, d0, d0, d0, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin};
+    const v16f v = to_v16f(q) * dd;
+    std::memcpy(d, &v, sizeof v);
   }
 };
 
 template <>
 struct Scales<Q6_K> {
-  float d[16];  // d * scales[i], one per 16 values
+  alignas(64) float d[16];  // d * scales[i], one per 16 values
   void load(const uint8_t* b) {
-    const float d0 = fp16_to_float(b + 208);
-    for (int i = 0; i < 16; ++i) d[i] = d0 * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+    v16s8 q;
+    std::memcpy(&q, b + 192, 16);
+    const v16f v = to_v16f(q) * fp16_to_float(b + 208);
+    std::memcpy(d, &v, sizeof v);
   }
 };
 
@@ -199,8 +207,8 @@ inline __attribute__((always_inline)) void dequant_group(const uint8_t* b, const
       q0 = q0 & 0xf;
       q1 = q1 & 0xf;
     }
-    lo = to_v16f(q0) * s.d[g] - s.m[g];
-    hi = to_v16f(q1) * s.d[g] - s.m[g];
+    lo = to_v16f(q0) * s.d[g] - s.d[8 + g];
+    hi = to_v16f(q1) * s.d[g] - s.d[8 + g];
   } else if constexpr (T == Q6_K) {
     const int h = g / 4, r = g % 4;
     v16u8 l0, l1, h0, h1;

@@ -4,9 +4,10 @@ integer path (x rounded to int8 per block, VNNI dot products), on SmolLM2-135M's
 For each shape (K in, N out) and row count M, both paths run in this process, interleaved, over
 enough copies of the weight (random values in the type's blocks) that they do not fit in the
 caches, as in decoding, where every layer's weight is read once per token. Prints the median
-GB/s of weight bytes read of each (over `--reps` timings), and new / old. The K-quants (Q4_K,
-Q6_K) have no integer path: only their float path is timed, and only on shapes whose K is a
-multiple of 256 (`--shapes llama1b`, Llama-3.2-1B's, has them all; SmolLM2's only `down`).
+GB/s of weight bytes read of each (over `--reps` timings), and new / old. A type the build's
+integer path does not take (the K-quants, Q4_K and Q6_K, but on AVX-512 VNNI) has only its float
+path timed. The K-quants run only on shapes whose K is a multiple of 256 (`--shapes llama1b`,
+Llama-3.2-1B's, has them all; SmolLM2's only `down`).
 
     .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--reps 7] [--types Q4_1,Q8_0]
         [--rows 1,4] [--shapes smollm2|llama1b]
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from sluice.model.kernels import quant_ops
-from sluice.model.quant import BLOCK_TYPES, INT8_TYPES
+from sluice.model.quant import BLOCK_TYPES
 
 SHAPES = {  # (K, N, name)
     "smollm2": [
@@ -140,7 +141,7 @@ def main() -> None:
                 old, new = [], []
                 for _ in range(args.reps):  # interleaved: drift hits both alike
                     old.append(time_path(ops, x, weights, qtype, False))
-                    if qtype in INT8_TYPES:
+                    if qtype in ops.int8_types:
                         new.append(time_path(ops, x, weights, qtype, True))
                 t_old, gbs = statistics.median(old), w0.numel() / 1e9
                 line = f"{type_name:5} {name:>7} {k:4}x{n:<5} {m:2} {gbs / t_old:9.2f} "

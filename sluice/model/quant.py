@@ -36,7 +36,6 @@ BLOCK_TYPES = {
     8: ("Q8_0", 34, 32), 2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32),
     12: ("Q4_K", 144, 256), 14: ("Q6_K", 210, 256),
 }  # fmt: skip
-INT8_TYPES = frozenset((8, 2, 3))  # the types the integer path (bfloat16 x) takes
 BLOCK_VALUES = 32  # values a block of the types quantized into at load (LOAD_TYPES)
 
 
@@ -55,9 +54,10 @@ class QuantLinear(nn.Module):
     takes integer dot products (VNNI where the CPU has it), as llama.cpp does: y then differs
     from the float result by at most sum_k |w_k| * scale_b(k) / 2 (scale_b = max |x| / 127 over
     x's block), and is 1.6-1.8x as fast at one row on Q4_1 (1.1-1.3x on Q8_0). float32 x always
-    takes the float path, exact up to float32 rounding, and so do the K-quants (Q4_K, Q6_K: no
-    integer path). SLUICE_QUANT_INT8_ACT=0 (read when the layer is made) keeps bfloat16 x on the
-    float path too."""
+    takes the float path, exact up to float32 rounding; so do the K-quants (Q4_K, Q6_K) where
+    the build's integer path does not take them (`ops.int8_types`: AVX-512 VNNI builds do).
+    SLUICE_QUANT_INT8_ACT=0 (read when the layer is made) keeps bfloat16 x on the float path
+    too."""
 
     KERNEL_MAX_ROWS = 8  # rows the kernel computes in one pass over the blocks
 
@@ -92,7 +92,7 @@ class QuantLinear(nn.Module):
         self.dense: nn.Module | None = None  # a float copy for many rows, or None
         self.dense_min_rows = 0
         # bfloat16 x only, and the types the integer path takes
-        self.int8_activations = qtype in INT8_TYPES and envs.get_bool("SLUICE_QUANT_INT8_ACT")
+        self.int8_activations = qtype in ops.int8_types and envs.get_bool("SLUICE_QUANT_INT8_ACT")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]

@@ -133,7 +133,21 @@ INT8_SHAPES = [
 
 
 def _int8_bound(x: torch.Tensor, raw: torch.Tensor, w: torch.Tensor, qtype) -> torch.Tensor:
-    """The integer path's error bound against x @ w^T in float64, [M, N].
+    """`int8_bound` for blocks `raw` of a 32-value type."""
+    n, nb = w.shape[0], x.shape[1] // 32
+    blocks = raw.numpy().reshape(n, nb, -1)
+    d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16).astype(np.float64))[..., 0]
+    if qtype == T.Q4_1:
+        mins = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64))
+        mins = mins[..., 0]
+    else:
+        mins = d * (-8.0 if qtype == T.Q4_0 else -128.0)
+    return int8_bound(x, w, mins)
+
+
+def int8_bound(x: torch.Tensor, w: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The integer path's error bound against x @ w^T in float64, [M, N]; mins [N, K / 32]:
+    each 32 weights' m_b (below).
 
     Per block b of 32 values the kernel rounds x to x^_j = dx_b q_j, dx_b = max|x| / 127, q_j
     in [-127, 127], so |x_j - x^_j| <= dx_b / 2 (times 1 + 2^-14 for the rounding of x * 127 /
@@ -146,13 +160,6 @@ def _int8_bound(x: torch.Tensor, raw: torch.Tensor, w: torch.Tensor, qtype) -> t
                       + (nb + 10) 2^-24 sum_j (|w_j| + 2 |m_b|) max_b|x| (1 + 2^-20)."""
     m, k = x.shape
     n, nb = w.shape[0], k // 32
-    blocks = raw.numpy().reshape(n, nb, -1)
-    d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16).astype(np.float64))[..., 0]
-    if qtype == T.Q4_1:
-        mins = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64))
-        mins = mins[..., 0]
-    else:
-        mins = d * (-8.0 if qtype == T.Q4_0 else -128.0)
     amax = x.double().view(m, nb, 32).abs().amax(-1)  # [M, nb]
     w_abs = w.abs().view(n, nb, 32).sum(-1)  # [N, nb]
     rounding = (amax / 127 / 2 * (1 + 2**-14)) @ w_abs.T

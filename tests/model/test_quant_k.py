@@ -17,6 +17,7 @@ such bytes are a valid block), and the reference is gguf's own dequantization of
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -31,6 +32,7 @@ from tests.model.test_quant import (  # noqa: F401 (fixtures)
     avx2_ops,
     dequantize,
     generic_ops,
+    int8_bound,
     native_ops,
     quantize,
 )
@@ -80,8 +82,40 @@ def test_k_quant_linear_matches_dequantize_then_matmul(ops, qtype, m, k, n, dtyp
     bias = torch.randn(n)
     y = ops.quant_linear(x, raw, int(qtype), bias)
     assert_float_path_result(y, x, w, bias)
-    if dtype == torch.bfloat16:  # no integer path for the K-quants: asking for it changes nothing
+    if dtype == torch.bfloat16 and int(qtype) not in ops.int8_types:  # asking changes nothing
         assert torch.equal(ops.quant_linear(x, raw, int(qtype), bias, True), y)
+
+
+def _k_mins(raw: torch.Tensor, qtype) -> torch.Tensor:
+    """[N, K / 32] each group's m_b as the integer path sees it: Q4_K's -dmin * mn_g; Q6_K's
+    -32 d is inside its exact integer sums, so 0."""
+    n, nb = raw.shape[0], raw.shape[1] // {T.Q4_K: 144, T.Q6_K: 210}[qtype]
+    if qtype == T.Q6_K:
+        return torch.zeros(n, nb * 8, dtype=torch.float64)
+    blocks = raw.numpy().reshape(n * nb, 144)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)  # [n * nb, 1]
+    _, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    return torch.from_numpy(-dmin * mn.astype(np.float64)).reshape(n, nb * 8)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,k,n", [*K_SHAPES, (2, 8192, 9)])
+def test_k_int8_activations_within_the_rounding_bound(native_ops, qtype, m, k, n) -> None:  # noqa: F811
+    if int(qtype) not in native_ops.int8_types:
+        pytest.skip(f"this build's integer path ({native_ops.int8_isa}) takes no K-quants")
+    raw, w = _k_blocks(n, k, qtype, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + n)).bfloat16()
+    x[0, :32] *= 100  # blocks of very different scales
+    x[-1, 32:64] = 0  # a block of zeros: dx = 0
+    bias = torch.randn(n)
+    y = native_ops.quant_linear(x, raw, int(qtype), bias, True)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = x.double() @ w.T + bias.double()
+    bound = int8_bound(x, w, _k_mins(raw, qtype)) + 2.0**-24 * bias.abs().double()
+    bound = bound + 2.0**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max error / bound {(err / bound).max():.3g}"
+    assert not torch.equal(y, native_ops.quant_linear(x, raw, int(qtype), bias, False))
 
 
 def test_k_quant_linear_refuses_widths_not_a_multiple_of_256(native_ops, monkeypatch) -> None:  # noqa: F811
@@ -94,7 +128,8 @@ def test_k_quant_linear_refuses_widths_not_a_multiple_of_256(native_ops, monkeyp
         QuantLinear(torch.zeros(4, 473, dtype=torch.uint8), int(T.Q6_K), 576, None, native_ops)
     monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "1")
     layer = QuantLinear(raw, int(T.Q4_K), 512, None, native_ops)
-    assert not layer.int8_activations and "Q4_K" in repr(layer)
+    assert layer.int8_activations == (int(T.Q4_K) in native_ops.int8_types)
+    assert "Q4_K" in repr(layer)
 
 
 # ----------------------------------------------------------------------------- a tiny Q4_K_M

@@ -29,8 +29,8 @@
 // AVX-512 (the build is -march=native, keyed by the CPU's flags, so the instruction set is the
 // running CPU's). Work is split over output rows with torch's thread pool.
 //
-// bfloat16 x may instead take the integer path (`int8_activations`, below; the 32-value types
-// only: the K-quants always take the float path): x rounded to int8 per 32-value block, integer dot products (AVX-512 VNNI, AVX-VNNI, AVX2 maddubs or scalar),
+// bfloat16 x may instead take the integer path (`int8_activations`, below; the K-quants on
+// AVX-512 VNNI builds only, elsewhere they take the float path): x rounded to int8 per 32 values, integer dot products (AVX-512 VNNI, AVX-VNNI, AVX2 maddubs or scalar),
 // 1.6-1.8x the float path's speed on Q4_1 at one row (1.1-1.3x on Q8_0; one thread of the Xeon
 // model 207, weights streamed), within sum_k |w_k| dx_b(k) / 2 of its result.
 // float32 x always takes the float path, so float32 results stay exact up to float rounding.
@@ -63,6 +63,7 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef int8_t v16s8 __attribute__((vector_size(16)));
+typedef uint32_t v4u32 __attribute__((vector_size(16)));
 
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
 
@@ -164,18 +165,19 @@ template <>
 struct Scales<Q4_K> {
   alignas(64) float d[16];  // d * sc[g] for g = 0..7, then dmin * mn[g] at d[8 + g]
   void load(const uint8_t* b) {
-    uint32_t a, m, c;  // the 12 scale bytes as three words: sc[0..3], mn[0..3], their low halves
-    std::memcpy(&a, b + 4, 4);
-    std::memcpy(&m, b + 8, 4);
-    std::memcpy(&c, b + 12, 4);
-    const uint32_t six = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x30303030u;
-    // bytewise: (x >> 2) & 0x30 is each byte's top two bits moved to bits 4-5
-    const uint32_t words[4] = {a & six, (c & low4) | ((a >> 2) & top2), m & six,
-                               ((c >> 4) & low4) | ((m >> 2) & top2)};
-    v16u8 q;  // sc[0..7], mn[0..7]
-    std::memcpy(&q, words, 16);
+    // the 12 scale bytes as words a (sc[0..3]), m (mn[0..3]), c (their low halves for g >= 4),
+    // and 4 bytes of qs after them; all four built in one vector register
+    v4u32 s;
+    std::memcpy(&s, b + 4, 16);
+    const v4u32 acmc = __builtin_shufflevector(s, s, 0, 2, 1, 2), aamm = __builtin_shufflevector(s, s, 0, 0, 1, 1);
+    const v4u32 shift = {0, 0, 0, 4}, keep = {0x3f3f3f3fu, 0x0f0f0f0fu, 0x3f3f3f3fu, 0x0f0f0f0fu};
+    const v4u32 top2 = {0, 0x30303030u, 0, 0x30303030u};  // bytewise: (x >> 2) & 0x30 is each
+                                                          // byte's top two bits at bits 4-5
+    // [a & 63.., (c & 15..) | top2(a), m & 63.., ((c >> 4) & 15..) | top2(m)]: sc[0..7], mn[0..7]
+    const v16u8 q = (v16u8)(((acmc >> shift) & keep) | ((aamm >> 2) & top2));
     const float d0 = fp16_to_float(b), dmin = fp16_to_float(b + 2);
-    const v16f dd = {d0, d0, d0, d0, d0, d0, d0, d0, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin};
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16f zero = {}, dd = lane < 8 ? zero + d0 : zero + dmin;  // a blend, not a stack trip
     const v16f v = to_v16f(q) * dd;
     std::memcpy(d, &v, sizeof v);
   }
@@ -433,6 +435,7 @@ void quantize_x(const In* x, int64_t K, QuantX& qx) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SLUICE_I8_ISA "avx512-vnni"
+#define SLUICE_I8_K_QUANTS 1  // this build's integer path takes Q4_K and Q6_K too
 
 // Blocks b and b + 1 of a row (`second` false: block b alone, the other half zero) as 64 u8
 // values, and their scales: d = [d_b x8, d_b+1 x8]; m_b, m_b+1 written to m (Q4_1), or d_b,
@@ -516,9 +519,106 @@ inline __attribute__((always_inline)) void ipair(const uint8_t* const* blk, floa
   }
 }
 
+// The K-quants on the integer path: groups g and g + 1 (g even) of a block in one register, as
+// 64 unsigned values u with w = d_lane * u + m: Q4_K's nibbles (m = -dmin * mn_g, per group,
+// collected as the 32-value types' minimums are), Q6_K's six-bit q (m = -32 d_lane, applied
+// exactly in the integer sums: each lane starts at -32 times its four xq). d_lane: Q4_K's
+// d * sc_g for the 8 lanes of a group; Q6_K's d * scales[i] for the 4 lanes of 16 values.
+template <int64_t T>
+inline __attribute__((always_inline)) __m512i load_k_pair(const uint8_t* blk, const float* sc,
+                                                          int pair, __m512& d) {
+  if constexpr (T == Q4_K) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + pair * 32));
+    const __m256i lo = _mm256_and_si256(q, _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0f));
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    d = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(sc + 2 * pair)));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    const int h = pair / 2, shift = 4 * (pair % 2);  // groups 2 pair + (0, 1): r = shift / 2 + (0, 1)
+    const __m512i ql = _mm512_loadu_si512(blk + h * 64);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + h * 32));
+    const __m512i low = _mm512_and_si512(_mm512_srl_epi16(ql, _mm_cvtsi32_si128(shift)),
+                                         _mm512_set1_epi8(0x0f));
+    const __m256i h0 = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift));
+    const __m256i h1 = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift + 2));
+    __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+    high = _mm512_slli_epi16(_mm512_and_si512(high, _mm512_set1_epi8(3)), 4);
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    d = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(sc + 4 * pair)));
+    return _mm512_or_si512(low, high);
+  }
+}
+
 template <int64_t T, int M, typename Out>
-void igemv_rows(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias, Out* y,
-                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+void igemv_rows_k(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias, Out* y,
+                  int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  constexpr int G = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  constexpr int64_t BB = block_bytes(T), GROUPS = 256 / QK;
+  const int64_t nb = K / 256, row_bytes = nb * BB, nbp = qx.nbp;  // nbp = K / 32: no padding
+  const int8_t* xq = qx.q + m_first * nbp * QK;
+  const float* xd = qx.d + m_first * nbp * 8;
+  const float* xs = qx.s + m_first * nbp;
+  std::vector<float> mins(T == Q4_K ? G * nbp : 0);  // Q4_K: dmin * mn_g of each row's groups
+  for (int64_t n = n_begin; n < n_end; n += G) {
+    const int rows = static_cast<int>(std::min<int64_t>(G, n_end - n));
+    __m512 acc[G][M];
+    const uint8_t* blk[G];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[g][m] = _mm512_setzero_ps();
+      blk[g] = w + (n + (g < rows ? g : 0)) * row_bytes;  // a short group repeats its first row
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      Scales<T> sc[G];
+      for (int g = 0; g < G; ++g) {
+        sc[g].load(blk[g] + b * BB);
+        if constexpr (T == Q4_K) std::memcpy(&mins[g * nbp + b * GROUPS], sc[g].d + 8, 32);
+      }
+#pragma GCC unroll 4
+      for (int pair = 0; pair < GROUPS / 2; ++pair) {
+        __m512i z[G];
+        __m512 d[G];
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          prefetch(blk[g] + b * BB + pair * (BB / 4));
+          z[g] = load_k_pair<T>(blk[g] + b * BB, sc[g].d, pair, d[g]);
+        }
+        const int64_t at = b * GROUPS + 2 * pair;  // x's block of group 2 pair
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_load_si512(xq + m * nbp * QK + at * QK);
+          const __m512 dx = _mm512_load_ps(xd + m * nbp * 8 + at * 8);
+          __m512i start = _mm512_setzero_si512();
+          if constexpr (T == Q6_K)  // -32 * each lane's sum of xq
+            start = _mm512_sub_epi32(start, _mm512_dpbusd_epi32(start, _mm512_set1_epi8(32), xv));
+#pragma GCC unroll 8
+          for (int g = 0; g < G; ++g) {
+            const __m512i p = _mm512_dpbusd_epi32(start, z[g], xv);
+            acc[g][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d[g], dx), acc[g][m]);
+          }
+        }
+      }
+    }
+    float out[G][M];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        __m512 a = acc[g][m];
+        if constexpr (T == Q4_K) a = _mm512_sub_ps(a, dot_lanes(mins.data() + g * nbp, xs + m * nbp, nbp));
+        out[g][m] = _mm512_reduce_add_ps(a);
+      }
+    for (int g = 0; g < rows; ++g)
+      for (int m = 0; m < M; ++m)
+        store_out(out[g][m] + (bias ? bias[n + g] : 0.f), y + m * N + n + g);
+  }
+}
+
+template <int64_t T, int M, typename Out>
+void igemv_rows_q(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias, Out* y,
+                  int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
   constexpr int G = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   constexpr float MIN_PER_D = T == Q4_1 ? 1.f : T == Q4_0 ? -8.f : -128.f;  // see load_pair
   constexpr int64_t MAX_NB = 2048 / QK + 2;  // blocks a row kept on the stack; more: the heap
@@ -562,6 +662,15 @@ void igemv_rows(const QuantX& qx, int64_t m_first, const uint8_t* w, const float
       for (int m = 0; m < M; ++m)
         store_out(out[g][m] + (bias ? bias[n + g] : 0.f), y + m * N + n + g);
   }
+}
+
+template <int64_t T, int M, typename Out>
+void igemv_rows(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias, Out* y,
+                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  if constexpr (is_k_quant(T))
+    igemv_rows_k<T, M>(qx, m_first, w, bias, y, K, N, n_begin, n_end);
+  else
+    igemv_rows_q<T, M>(qx, m_first, w, bias, y, K, N, n_begin, n_end);
 }
 
 #elif defined(__AVX2__)
@@ -718,8 +827,22 @@ void igemm_bf16(int64_t type, const at::BFloat16* x, const uint8_t* w, const flo
   switch (type) {
     case Q8_0: return igemm_impl<Q8_0>(qx, w, bias, y, M, K, N);
     case Q4_0: return igemm_impl<Q4_0>(qx, w, bias, y, M, K, N);
+#if defined(SLUICE_I8_K_QUANTS)
+    case Q4_K: return igemm_impl<Q4_K>(qx, w, bias, y, M, K, N);
+    case Q6_K: return igemm_impl<Q6_K>(qx, w, bias, y, M, K, N);
+#endif
     default: return igemm_impl<Q4_1>(qx, w, bias, y, M, K, N);
   }
+}
+
+// Whether this build's integer path takes `type`: the 32-value types always, the K-quants on
+// AVX-512 VNNI only (elsewhere they take the float path, whatever int8_activations says).
+constexpr bool has_int8_path(int64_t type) {
+#if defined(SLUICE_I8_K_QUANTS)
+  return true;
+#else
+  return !is_k_quant(type);
+#endif
 }
 
 void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
@@ -754,7 +877,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type,
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  if (int8_activations && x.scalar_type() == at::kBFloat16 && !is_k_quant(type)) {
+  if (int8_activations && x.scalar_type() == at::kBFloat16 && has_int8_path(type)) {
     const at::Tensor xc = x.contiguous();
     igemm_bf16(type, xc.data_ptr<at::BFloat16>(), w.data_ptr<uint8_t>(), bp,
                y.data_ptr<at::BFloat16>(), M, K, N);
@@ -819,7 +942,12 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t K, at::ScalarTy
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0},
                                          int64_t{Q4_K}, int64_t{Q6_K});
+#if defined(SLUICE_I8_K_QUANTS)
+  m.attr("int8_types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0},
+                                              int64_t{Q4_K}, int64_t{Q6_K});
+#else
   m.attr("int8_types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0});
+#endif
   m.attr("block_values") = QK;
 #if defined(__AVX512F__)
   m.attr("isa") = "avx512";

@@ -8,8 +8,11 @@ such bytes are a valid block), and the reference is gguf's own dequantization of
 - `quant_linear` against that dequantization and a float64 matmul, within the float path's bound
   of test_quant ((K + 2) 2^-24 sum_k |x_k w_k|, plus 2^-8 |y| for bfloat16 output), for 1 to 64
   rows of x (one tile of 8, a tile and one row, many tiles) and N not a multiple of the chunk,
-  in each build (AVX-512, AVX2, scalar); bfloat16 x takes the float path even when the integer
-  path is asked for.
+  in each build (AVX-512, AVX2, scalar); where the build's integer path does not take the
+  K-quants, bfloat16 x takes the float path even when the integer path is asked for.
+- The integer path (AVX-512 VNNI builds: x rounded to int8 per 32 values) within test_quant's
+  bound for it (`int8_bound`), with each group's m_b: Q4_K's -dmin * mn_g; none for Q6_K, whose
+  -32 d is applied inside the exact integer sums.
 - A tiny llama whose GGUF mixes Q4_K, Q6_K and Q8_0 as a Q4_K_M file does (one layer's v in
   Q6_K, its q/k in Q4_K: that fused qkv a QuantLinearParts) gives the logits of the same model
   with the dequantized weights, through the kernel (few rows) and the float copies (many).

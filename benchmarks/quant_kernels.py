@@ -4,9 +4,13 @@ integer path (x rounded to int8 per block, VNNI dot products), on SmolLM2-135M's
 For each shape (K in, N out) and row count M, both paths run in this process, interleaved, over
 enough copies of the weight (random values in the type's blocks) that they do not fit in the
 caches, as in decoding, where every layer's weight is read once per token. Prints the median
-GB/s of weight bytes read of each (over `--reps` timings), and new / old.
+GB/s of weight bytes read of each (over `--reps` timings), and new / old. A type the build's
+integer path does not take (the K-quants, Q4_K and Q6_K, but on AVX-512 VNNI) has only its float
+path timed. The K-quants run only on shapes whose K is a multiple of 256 (`--shapes llama1b`,
+Llama-3.2-1B's, has them all; SmolLM2's only `down`).
 
     .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--reps 7] [--types Q4_1,Q8_0]
+        [--rows 1,4] [--shapes smollm2|llama1b]
 
 `--engine` instead measures single-stream decode through the in-process `sluice.Engine` (the
 default model, --quantization gguf, dtype auto): one Engine made with SLUICE_QUANT_INT8_ACT=0
@@ -24,23 +28,29 @@ import numpy as np
 import torch
 
 from sluice.model.kernels import quant_ops
-from sluice.model.quant import BLOCK_TYPES, BLOCK_VALUES
+from sluice.model.quant import BLOCK_TYPES
 
-SHAPES = [  # (K, N, name)
-    (576, 960, "qkv"), (576, 576, "o"), (576, 3072, "gate_up"), (1536, 576, "down"),
-    (576, 49152, "lm_head"),
-]  # fmt: skip
-TYPE_IDS = {name: qtype for qtype, (name, _) in BLOCK_TYPES.items()}
+SHAPES = {  # (K, N, name)
+    "smollm2": [
+        (576, 960, "qkv"), (576, 576, "o"), (576, 3072, "gate_up"), (1536, 576, "down"),
+        (576, 49152, "lm_head"),
+    ],
+    "llama1b": [
+        (2048, 3072, "qkv"), (2048, 2048, "o"), (2048, 16384, "gate_up"), (8192, 2048, "down"),
+    ],
+}  # fmt: skip
+TYPE_IDS = {name: qtype for qtype, (name, _, _) in BLOCK_TYPES.items()}
+SCALE_AT = {8: (0,), 2: (0,), 3: (0, 2), 12: (0, 2), 14: (208,)}  # a block's fp16 scales
 STREAM_BYTES = 64 << 20  # the copies of a weight one timing cycles through
 
 
 def random_blocks(n: int, k: int, qtype: int, rng: np.random.Generator) -> torch.Tensor:
-    """[n, k] weights of random blocks: random bytes with a small fp16 scale (and minimum)."""
-    block = BLOCK_TYPES[qtype][1]
-    raw = rng.integers(0, 256, size=(n, k // BLOCK_VALUES, block), dtype=np.uint8)
-    scales = rng.uniform(0.001, 0.01, size=(n, k // BLOCK_VALUES, 2)).astype(np.float16)
-    header = 4 if qtype == 3 else 2
-    raw[:, :, :header] = scales.view(np.uint8).reshape(n, k // BLOCK_VALUES, 4)[:, :, :header]
+    """[n, k] weights of random blocks: random bytes with small fp16 scales (and minimums)."""
+    _, block_bytes, block_values = BLOCK_TYPES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // block_values, block_bytes), dtype=np.uint8)
+    for at in SCALE_AT[qtype]:
+        scales = rng.uniform(0.001, 0.01, size=(n, k // block_values)).astype(np.float16)
+        raw[:, :, at : at + 2] = scales[..., None].view(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1))
 
 
@@ -106,6 +116,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--types", default="Q4_1,Q8_0")
     parser.add_argument("--rows", default="1,4")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2")
     parser.add_argument("--engine", action="store_true", help="single-stream decode instead")
     args = parser.parse_args()
     if args.engine:
@@ -119,7 +130,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for type_name in args.types.split(","):
         qtype = TYPE_IDS[type_name]
-        for k, n, name in SHAPES:
+        for k, n, name in SHAPES[args.shapes]:
+            if k % BLOCK_TYPES[qtype][2]:
+                continue  # not a width this type can hold
             w0 = random_blocks(n, k, qtype, rng)
             copies = max(1, -(-STREAM_BYTES // w0.numel()))
             weights = [w0] + [random_blocks(n, k, qtype, rng) for _ in range(copies - 1)]
@@ -128,11 +141,14 @@ def main() -> None:
                 old, new = [], []
                 for _ in range(args.reps):  # interleaved: drift hits both alike
                     old.append(time_path(ops, x, weights, qtype, False))
-                    new.append(time_path(ops, x, weights, qtype, True))
-                t_old, t_new = statistics.median(old), statistics.median(new)
-                gbs = w0.numel() / 1e9
-                print(f"{type_name:5} {name:>7} {k:4}x{n:<5} {m:2} {gbs / t_old:9.2f} "
-                      f"{gbs / t_new:9.2f} {t_old / t_new:8.2f}")  # fmt: skip
+                    if qtype in ops.int8_types:
+                        new.append(time_path(ops, x, weights, qtype, True))
+                t_old, gbs = statistics.median(old), w0.numel() / 1e9
+                line = f"{type_name:5} {name:>7} {k:4}x{n:<5} {m:2} {gbs / t_old:9.2f} "
+                if new:
+                    t_new = statistics.median(new)
+                    line += f"{gbs / t_new:9.2f} {t_old / t_new:8.2f}"
+                print(line + ("" if new else f"{'-':>9} {'-':>8}"))
 
 
 if __name__ == "__main__":

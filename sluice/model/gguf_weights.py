@@ -2,8 +2,10 @@
 
 Only the linear layers are read here (q/k/v, o, gate/up, down, and the LM head: `output.weight`,
 or `token_embd.weight` when the embeddings are tied); norms and the embedding table come from the
-float conversion as before (sluice.checkpoint). A fused module (qkv_proj, gate_up_proj) is
-quantized only when its parts share one type the kernels take; otherwise it stays float.
+float conversion as before (sluice.checkpoint). A fused module (qkv_proj, gate_up_proj) whose
+parts share one type the kernels take is one QuantLinear over their rows; one whose parts are of
+several such types (Q4_K_M's q/k in Q4_K and v in Q6_K) is a QuantLinearParts, a QuantLinear a
+part; one with any part of another type stays float.
 
 The rows of q and k are reordered from llama.cpp's rotary layout to Hugging Face's, as the float
 conversion does: whole rows move, so the blocks of each row are untouched.
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from sluice.checkpoint.model_config import ModelConfig
-from sluice.model.quant import BLOCK_TYPES, BLOCK_VALUES, QuantLinear
+from sluice.model.quant import BLOCK_TYPES, QuantLinear, QuantLinearParts
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ _PART_ORDER = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")  # order of f
 
 @dataclass(frozen=True)
 class BlockTensor:
-    """One GGUF tensor's blocks: [rows, in_features / 32 * block_bytes] uint8."""
+    """One GGUF tensor's blocks: [rows, in_features / block_values * block_bytes] uint8."""
 
     kind: str  # attn_q, ffn_up, ..., or "lm_head"
     qtype: int  # ggml type id
@@ -64,15 +66,17 @@ def install_quantized(model: nn.Module, cfg: ModelConfig, ops: Any) -> Quantized
     groups = _read_groups(cfg)
     modules, covered = [], set()
     for module_name, parts in groups.items():
-        fused = _fuse(parts)
-        if fused is None:
+        if not all(_in_kernel_type(p) for p in parts):
             continue
         old = model.get_submodule(module_name)
-        if fused.shape[0] != old.out_features or parts[0].in_features != old.in_features:
+        rows = sum(p.blocks.shape[0] for p in parts)
+        if rows != old.out_features or any(p.in_features != old.in_features for p in parts):
             raise ValueError(f"GGUF blocks for {module_name} do not fit {old}")
         bias = None if old.bias is None else torch.empty_like(old.bias)  # loaded afterwards
-        qtype = parts[0].qtype
-        new = QuantLinear(torch.from_numpy(fused), qtype, old.in_features, bias, ops)
+        if len({p.qtype for p in parts}) == 1:
+            new = _linear(parts, bias, ops)
+        else:
+            new = QuantLinearParts([_linear([p], None, ops) for p in parts], bias)
         parent, _, leaf = module_name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
         modules.append(module_name)
@@ -124,15 +128,15 @@ def _module_of(gguf_name: str, lm_head_from_embedding: bool) -> tuple[str | None
     return None, ""
 
 
-def _fuse(parts: list[BlockTensor]) -> np.ndarray | None:
-    """The rows of `parts` stacked, when they share one kernel type and width; else None."""
-    qtype, width = parts[0].qtype, parts[0].in_features
-    if qtype not in BLOCK_TYPES or width % BLOCK_VALUES:
-        return None
-    if any(p.qtype != qtype or p.in_features != width for p in parts):
-        return None
-    blocks = [p.blocks for p in parts]
-    return np.ascontiguousarray(blocks[0] if len(blocks) == 1 else np.concatenate(blocks))
+def _in_kernel_type(part: BlockTensor) -> bool:
+    return part.qtype in BLOCK_TYPES and part.in_features % BLOCK_TYPES[part.qtype][2] == 0
+
+
+def _linear(parts: list[BlockTensor], bias: torch.Tensor | None, ops: Any) -> QuantLinear:
+    """One QuantLinear over the rows of `parts`, all of one type."""
+    blocks = parts[0].blocks if len(parts) == 1 else np.concatenate([p.blocks for p in parts])
+    qweight = torch.from_numpy(np.ascontiguousarray(blocks))
+    return QuantLinear(qweight, parts[0].qtype, parts[0].in_features, bias, ops)
 
 
 def _checkpoint_names(module_name: str, parts: list[BlockTensor]) -> set[str]:

@@ -1,9 +1,11 @@
-"""QuantLinear: a linear layer whose weight stays in a GGUF block quantization (Q8_0, Q4_0, Q4_1),
-computed by sluice's weight-only CPU kernels (`sluice.model.kernels.quant_ops()`).
+"""QuantLinear: a linear layer whose weight stays in a GGUF block quantization (Q8_0, Q4_0, Q4_1,
+and the K-quants Q4_K and Q6_K), computed by sluice's weight-only CPU kernels
+(`sluice.model.kernels.quant_ops()`).
 
-The weight is `qweight` [out_features, in_features / 32 * block_bytes] uint8: every output row's
-32-value blocks exactly as the GGUF file stores them (see quant_ops.cpp), so loading is a copy of
-bytes, with whole rows permuted or concatenated at most (sluice.model.gguf_weights).
+The weight is `qweight` [out_features, in_features / block_values * block_bytes] uint8: every
+output row's blocks (32 values each; 256 for the K-quants) exactly as the GGUF file stores them
+(see quant_ops.cpp), so loading is a copy of bytes, with whole rows permuted or concatenated at
+most (sluice.model.gguf_weights).
 
 `--quantization` (ServerArgs.quantization) chooses between these layers and float weights:
 `resolve_quantization` turns "auto" into "gguf" or "none" once, and logs why. "int8" and "int4"
@@ -29,9 +31,12 @@ logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4")
 LOAD_TYPES = {"int8": 8, "int4": 3}  # --quantization -> the block type quantized into at load
 
-# ggml type id -> (name, bytes of one 32-value block)
-BLOCK_TYPES = {8: ("Q8_0", 34), 2: ("Q4_0", 18), 3: ("Q4_1", 20)}
-BLOCK_VALUES = 32
+# ggml type id -> (name, bytes of one block, values of one block)
+BLOCK_TYPES = {
+    8: ("Q8_0", 34, 32), 2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32),
+    12: ("Q4_K", 144, 256), 14: ("Q6_K", 210, 256),
+}  # fmt: skip
+BLOCK_VALUES = 32  # values a block of the types quantized into at load (LOAD_TYPES)
 
 
 class QuantLinear(nn.Module):
@@ -51,9 +56,11 @@ class QuantLinear(nn.Module):
     With bfloat16 x the kernel rounds each 32-value block of x to int8 with a float scale and
     takes integer dot products (VNNI where the CPU has it), as llama.cpp does: y then differs
     from the float result by at most sum_k |w_k| * scale_b(k) / 2 (scale_b = max |x| / 127 over
-    x's block), and is 1.6-1.8x as fast at one row on Q4_1 (1.1-1.3x on Q8_0). float32 x always takes the float path,
-    exact up to float32 rounding. SLUICE_QUANT_INT8_ACT=0 (read when the layer is made) keeps
-    bfloat16 x on the float path too."""
+    x's block), and is 1.6-1.8x as fast at one row on Q4_1 (1.1-1.3x on Q8_0). float32 x always
+    takes the float path, exact up to float32 rounding; so do the K-quants (Q4_K, Q6_K) where
+    the build's integer path does not take them (`ops.int8_types`: AVX-512 VNNI builds do).
+    SLUICE_QUANT_INT8_ACT=0 (read when the layer is made) keeps bfloat16 x on the float path
+    too."""
 
     KERNEL_MAX_ROWS = 8  # rows the kernel computes in one pass over the blocks
 
@@ -68,11 +75,17 @@ class QuantLinear(nn.Module):
         super().__init__()
         if qtype not in BLOCK_TYPES:
             raise ValueError(f"ggml type {qtype} is not one of {sorted(BLOCK_TYPES)}")
-        row_bytes = in_features // BLOCK_VALUES * BLOCK_TYPES[qtype][1]
-        if in_features % BLOCK_VALUES or qweight.dim() != 2 or qweight.shape[1] != row_bytes:
+        name, block_bytes, block_values = BLOCK_TYPES[qtype]
+        if in_features % block_values:
             raise ValueError(
-                f"{BLOCK_TYPES[qtype][0]} weight of shape {tuple(qweight.shape)} does not hold "
-                f"{in_features} values a row"
+                f"{name} holds {block_values} values a block: in_features {in_features} is not "
+                f"a multiple of {block_values}"
+            )
+        row_bytes = in_features // block_values * block_bytes
+        if qweight.dim() != 2 or qweight.shape[1] != row_bytes:
+            raise ValueError(
+                f"{name} weight of shape {tuple(qweight.shape)} does not hold {in_features} "
+                "values a row"
             )
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self.qtype = qtype
@@ -82,7 +95,8 @@ class QuantLinear(nn.Module):
         self.dense: nn.Module | None = None  # a float copy for many rows, or None
         self.packed: torch.Tensor | None = None  # or the blocks repacked for packed_linear
         self.dense_min_rows = 0
-        self.int8_activations = envs.get_bool("SLUICE_QUANT_INT8_ACT")  # bfloat16 x only
+        # bfloat16 x only, and the types the integer path takes
+        self.int8_activations = qtype in ops.int8_types and envs.get_bool("SLUICE_QUANT_INT8_ACT")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
@@ -123,6 +137,26 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         name = BLOCK_TYPES[self.qtype][0]
         return f"in_features={self.in_features}, out_features={self.out_features}, {name}"
+
+
+class QuantLinearParts(nn.Module):
+    """A fused linear layer (qkv_proj, gate_up_proj) whose parts a GGUF holds in different block
+    types, as Q4_K_M files do (q and k in Q4_K, v in Q6_K): one QuantLinear a part, their outputs
+    side by side, then the fused bias. y [T, sum of the parts' out_features] in x's dtype."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
+            raise ValueError("the parts of a fused layer share in_features and have no bias")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> [T, out_features]
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
 
 
 class _PlainLinear(nn.Module):
@@ -229,7 +263,8 @@ def _why_not_gguf(source_path: str, device: torch.device, dtype: torch.dtype) ->
         return reason
     types = linear_types(source_path)
     if not types & set(BLOCK_TYPES):
-        return f"the file's linear weights are {sorted(types)}, none of Q8_0, Q4_0, Q4_1"
+        names = ", ".join(name for name, _, _ in BLOCK_TYPES.values())
+        return f"the file's linear weights are {sorted(types)}, none of {names}"
     return None
 
 

@@ -4,7 +4,7 @@
   float64 matmul, for Q8_0, Q4_0 and Q4_1, float32 and bfloat16, several shapes; once as built
   for this CPU and once built without AVX-512 (the AVX2 path of CPUs such as AMD Zen 3).
 - A tiny llama written as a GGUF by gguf's GGUFWriter (quantized by gguf.quants, q/k rows in
-  llama.cpp's order, one fused group of mixed types that must stay float): the model with its
+  llama.cpp's order, one fused group of mixed types: a QuantLinear a part): the model with its
   blocks kept gives the logits of the same model with the dequantized weights.
 - The default SmolLM2 Q4_1 GGUF: its blocks, q/k reordered and fused, equal the float
   conversion; and through the Engine, greedy tokens and logprobs of `--quantization gguf`
@@ -35,7 +35,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from sluice.checkpoint.model_config import ModelConfig  # noqa: E402
 from sluice.model.kernels import QUANT_SOURCE, _build, quant_ops  # noqa: E402
-from sluice.model.quant import QuantLinear, resolve_quantization  # noqa: E402
+from sluice.model.quant import QuantLinear, QuantLinearParts, resolve_quantization  # noqa: E402
 from sluice.utils.system import cpu_flags  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -109,14 +109,19 @@ def test_quant_linear_matches_dequantize_then_matmul(ops, qtype, m, k, n, dtype)
     raw, w = _blocks(n, k, qtype)
     x = torch.randn(m, k).to(dtype)
     bias = torch.randn(n)
-    y = ops.quant_linear(x, raw, int(qtype), bias)
-    assert y.dtype == dtype and y.shape == (m, n)
+    assert_float_path_result(ops.quant_linear(x, raw, int(qtype), bias), x, w, bias)
+
+
+def assert_float_path_result(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias) -> None:
+    """y = x w^T + bias (w float64 [N, K]) within the float path's bound (the module's doc)."""
+    (m, k), n = x.shape, w.shape[0]
+    assert y.dtype == x.dtype and y.shape == (m, n)
     ref = x.double() @ w.T + bias.double()
     bound = (k + 2) * 2.0**-24 * (x.double().abs() @ w.abs().T) + 2.0**-24 * bias.abs().double()
-    if dtype == torch.bfloat16:
+    if x.dtype == torch.bfloat16:
         bound = bound + 2.0**-8 * ref.abs()
     err = (y.double() - ref).abs()
-    assert (err <= bound + 1e-30).all(), f"max error {err.max():.3g}, bound {bound.min():.3g}"
+    assert (err <= bound + 1e-30).all(), f"max error / bound {(err / bound).max():.3g}"
 
 
 # M = 1..8 (one tile) and 13 (two); K = 32 * an odd number of blocks in most (a pair of blocks
@@ -128,7 +133,21 @@ INT8_SHAPES = [
 
 
 def _int8_bound(x: torch.Tensor, raw: torch.Tensor, w: torch.Tensor, qtype) -> torch.Tensor:
-    """The integer path's error bound against x @ w^T in float64, [M, N].
+    """`int8_bound` for blocks `raw` of a 32-value type."""
+    n, nb = w.shape[0], x.shape[1] // 32
+    blocks = raw.numpy().reshape(n, nb, -1)
+    d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16).astype(np.float64))[..., 0]
+    if qtype == T.Q4_1:
+        mins = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64))
+        mins = mins[..., 0]
+    else:
+        mins = d * (-8.0 if qtype == T.Q4_0 else -128.0)
+    return int8_bound(x, w, mins)
+
+
+def int8_bound(x: torch.Tensor, w: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The integer path's error bound against x @ w^T in float64, [M, N]; mins [N, K / 32]:
+    each 32 weights' m_b (below).
 
     Per block b of 32 values the kernel rounds x to x^_j = dx_b q_j, dx_b = max|x| / 127, q_j
     in [-127, 127], so |x_j - x^_j| <= dx_b / 2 (times 1 + 2^-14 for the rounding of x * 127 /
@@ -141,13 +160,6 @@ def _int8_bound(x: torch.Tensor, raw: torch.Tensor, w: torch.Tensor, qtype) -> t
                       + (nb + 10) 2^-24 sum_j (|w_j| + 2 |m_b|) max_b|x| (1 + 2^-20)."""
     m, k = x.shape
     n, nb = w.shape[0], k // 32
-    blocks = raw.numpy().reshape(n, nb, -1)
-    d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16).astype(np.float64))[..., 0]
-    if qtype == T.Q4_1:
-        mins = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64))
-        mins = mins[..., 0]
-    else:
-        mins = d * (-8.0 if qtype == T.Q4_0 else -128.0)
     amax = x.double().view(m, nb, 32).abs().amax(-1)  # [M, nb]
     w_abs = w.abs().view(n, nb, 32).sum(-1)  # [N, nb]
     rounding = (amax / 127 / 2 * (1 + 2**-14)) @ w_abs.T
@@ -263,7 +275,7 @@ def test_quant_linear_refuses_what_it_cannot_take(native_ops) -> None:
     with pytest.raises(RuntimeError, match="bytes a row"):
         native_ops.quant_linear(torch.randn(1, 64), raw, int(T.Q8_0))
     with pytest.raises(RuntimeError, match="type must be"):
-        native_ops.quant_linear(torch.randn(1, 64), raw, 12)
+        native_ops.quant_linear(torch.randn(1, 64), raw, 13)  # Q5_K
 
 
 def test_quant_linear_module_dense_copy_for_many_rows(native_ops) -> None:
@@ -281,7 +293,7 @@ def test_quant_linear_module_dense_copy_for_many_rows(native_ops) -> None:
 # ----------------------------------------------------------------------------- a tiny GGUF
 
 # HF name part -> GGUF name part, and the type each is written in (attn_v differs from q/k in
-# layer 1, so that layer's qkv_proj must stay float)
+# layer 1, so that layer's qkv_proj is a QuantLinearParts)
 _PARTS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -290,6 +302,8 @@ _PARTS = {
 
 
 def _type_of(layer: int, part: str):
+    if part == "output":
+        return T.Q8_0
     if layer == 1 and part == "attn_v":
         return T.Q8_0
     return {"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0, "ffn_down": T.Q8_0}.get(
@@ -303,9 +317,10 @@ def _to_llama_cpp_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, half, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(hf_dir: str, out: Path) -> tuple[str, str]:
+def _write_tiny_gguf(hf_dir: str, out: Path, type_of=_type_of, encode=quantize) -> tuple[str, str]:
     """(a GGUF of the tiny model's linear weights in block types, an HF dir whose float weights
-    are exactly what those blocks hold)."""
+    are exactly what those blocks hold). type_of(layer, part): a weight's type (layer -1 for the
+    LM head, part "output"); encode(w, qtype): its blocks, the rows in the file's order."""
     from safetensors.numpy import load_file, save_file
 
     from sluice.checkpoint.gguf_convert import _unpermute_rope_rows
@@ -326,9 +341,9 @@ def _write_tiny_gguf(hf_dir: str, out: Path) -> tuple[str, str]:
             heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(part, 0)  # fmt: skip
         else:
             continue
-        qtype = T.Q8_0 if part == "output" else _type_of(int(name.split(".")[2]), part)
+        qtype = type_of(-1 if part == "output" else int(name.split(".")[2]), part)
         stored = _to_llama_cpp_rows(w, heads) if heads else w
-        raw = quantize(stored.astype(np.float32), qtype)
+        raw = encode(stored.astype(np.float32), qtype)
         writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=qtype)
         back = dequantize(raw, qtype).reshape(w.shape).astype(np.float32)
         floats[name] = np.ascontiguousarray(_unpermute_rope_rows(back, heads) if heads else back)
@@ -377,7 +392,9 @@ def test_a_tiny_gguf_with_its_blocks_kept_gives_the_dequantized_models_logits(
     assert f"{total.group(1)}M parameters, {blocks / 1e6:.0f}M of them in blocks" in logs[0]
     layers = quantized.model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
-    assert not isinstance(layers[1].self_attn.qkv_proj, QuantLinear)  # Q4_0/Q4_0/Q8_0: float
+    mixed = layers[1].self_attn.qkv_proj  # Q4_0/Q4_0/Q8_0: a QuantLinear a part
+    assert isinstance(mixed, QuantLinearParts)
+    assert [p.qtype for p in mixed.parts] == [int(T.Q4_0), int(T.Q4_0), int(T.Q8_0)]
     assert isinstance(layers[1].mlp.down_proj, QuantLinear)
     assert isinstance(quantized.model.lm_head, QuantLinear)
     ids = list(range(1000, 1020))
@@ -512,3 +529,22 @@ def test_engine_greedy_tokens_and_logprobs_with_blocks_kept(smollm2_gguf: str, c
     # the same weights, summed in another order: a near-tie may flip a token, rarely
     assert agree >= len(PROMPTS) - 2
     assert diff < 1e-3
+
+
+def test_quant_linear_parts_side_by_side_then_the_bias(native_ops) -> None:
+    (raw_a, w_a), (raw_b, w_b) = _blocks(24, 64, T.Q4_0), _blocks(9, 64, T.Q8_0, seed=2)
+    parts = [
+        QuantLinear(raw_a, int(T.Q4_0), 64, None, native_ops),
+        QuantLinear(raw_b, int(T.Q8_0), 64, None, native_ops),
+    ]
+    bias = torch.randn(33)
+    layer = QuantLinearParts(parts, bias.clone())
+    assert (layer.in_features, layer.out_features) == (64, 33)
+    x = torch.randn(3, 64)
+    want = torch.cat([parts[0](x), parts[1](x)], dim=-1) + bias
+    assert torch.equal(layer(x), want)
+    ref = x.double() @ torch.cat([w_a, w_b]).T + bias.double()
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
+    wider = QuantLinear(_blocks(4, 96, T.Q4_0)[0], int(T.Q4_0), 96, None, native_ops)
+    with pytest.raises(ValueError, match="share in_features"):
+        QuantLinearParts([parts[0], wider], None)

@@ -68,7 +68,8 @@ def cpu_ops() -> Any | None:
 def quant_ops() -> Any | None:
     """The compiled module of the quantized-weight kernels (`quant_ops.cpp`: `quant_linear(x, w,
     type, bias=None, int8_activations=False)`, `dequantize(w, type, K, dtype)`, the ggml type ids
-    in `types`, the integer path's instruction set in `int8_isa`), built and cached as
+    in `types`, those the integer path takes in `int8_types` and its instruction set in
+    `int8_isa`), built and cached as
     `cpu_ops()`; None when it cannot be had."""
     return _optional_build("sluice_quant_ops", QUANT_SOURCE, "quantized-weight kernels", "")
 

@@ -1,14 +1,23 @@
-// sluice's weight-only kernels for GGUF block quantizations (Q8_0, Q4_0, Q4_1): y = x w^T + b
-// with w kept in the file's own blocks and dequantized in registers, one 32-value block at a
-// time, never written out. Aimed at decoding (few rows of x), where a linear layer is bound by
-// the bytes of weight it reads: 4.5-5 bits a weight instead of 16 or 32.
+// sluice's weight-only kernels for GGUF block quantizations (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K):
+// y = x w^T + b with w kept in the file's own blocks and dequantized in registers, 32 values at
+// a time, never written out. Aimed at decoding (few rows of x), where a linear layer is bound by
+// the bytes of weight it reads: 4.5-6.6 bits a weight instead of 16 or 32.
 //
-// Layout: w is a uint8 tensor [N, K / 32 * block_bytes], output row n's blocks in order, each
-// block exactly as GGUF stores it (ggml's block_q8_0 / block_q4_0 / block_q4_1):
+// Layout: w is a uint8 tensor [N, K / block_values * block_bytes], output row n's blocks in
+// order, each block exactly as GGUF stores it (ggml's block_q8_0 / _q4_0 / _q4_1 / _q4_K / _q6_K):
 //   Q8_0: fp16 d, int8 q[32]                    value j = d * q[j]
 //   Q4_0: fp16 d, uint8 qs[16]                  value j = d * (nibble_j - 8)
 //   Q4_1: fp16 d, fp16 m, uint8 qs[16]          value j = d * nibble_j + m
 // where nibble_j is the low half of qs[j] for j < 16 and the high half of qs[j - 16] after.
+// The K-quants hold 256 values a block, in 8 groups of 32 (g = j / 32, l = j % 32):
+//   Q4_K (144 bytes): fp16 d, fp16 dmin, uint8 scales[12], uint8 qs[128]
+//        value j = d * sc[g] * nibble - dmin * mn[g], the nibble the low half of qs[g/2*32 + l]
+//        for even g and the high half for odd g; sc, mn six bits each: for g < 4 the low six
+//        bits of scales[g] and scales[g + 4]; for g >= 4 the low (sc) and high (mn) halves of
+//        scales[g + 4], with the top two bits of scales[g - 4] (sc) and scales[g] (mn) above them.
+//   Q6_K (210 bytes): uint8 ql[128], uint8 qh[64], int8 scales[16], fp16 d
+//        value j = d * scales[j / 16] * (q - 32), q six bits: with h = g / 4, r = g % 4, the
+//        low four bits are ql[h*64 + (r%2)*32 + l] >> 4*(r/2), the high two qh[h*32 + l] >> 2*r.
 // One output row is one sequential stream of bytes; rows are independent, so whole rows may be
 // permuted (the loader reorders the q/k rows of llama.cpp's rotary layout) and concatenated
 // (fused q/k/v and gate/up projections).
@@ -20,8 +29,8 @@
 // AVX-512 (the build is -march=native, keyed by the CPU's flags, so the instruction set is the
 // running CPU's). Work is split over output rows with torch's thread pool.
 //
-// bfloat16 x may instead take the integer path (`int8_activations`, below): x rounded to int8
-// per 32-value block, integer dot products (AVX-512 VNNI, AVX-VNNI, AVX2 maddubs or scalar),
+// bfloat16 x may instead take the integer path (`int8_activations`, below; the K-quants on
+// AVX-512 VNNI builds only, elsewhere they take the float path): x rounded to int8 per 32 values, integer dot products (AVX-512 VNNI, AVX-VNNI, AVX2 maddubs or scalar),
 // 1.6-1.8x the float path's speed on Q4_1 at one row (1.1-1.3x on Q8_0; one thread of the Xeon
 // model 207, weights streamed), within sum_k |w_k| dx_b(k) / 2 of its result.
 // float32 x always takes the float path, so float32 results stay exact up to float rounding.
@@ -43,7 +52,7 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian CPUs onl
 
 namespace {
 
-constexpr int64_t QK = 32;   // values per block, all three types
+constexpr int64_t QK = 32;   // values a group: a whole block, or one eighth of a K-quant's
 constexpr int ROWS = 8;      // rows of x computed together (one pass over the weight)
 // How far ahead of its reads a weight row is prefetched, into L1 and (further) into L2: the
 // hardware's prefetchers alone left one core at about half its streaming speed here (Xeon model
@@ -54,11 +63,14 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef int8_t v16s8 __attribute__((vector_size(16)));
+typedef uint32_t v4u32 __attribute__((vector_size(16)));
 
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
 
+constexpr bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K; }
+constexpr int64_t block_values(int64_t type) { return is_k_quant(type) ? 256 : QK; }
 constexpr int64_t block_bytes(int64_t type) {
-  return type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20;
+  return type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q4_K ? 144 : 210;
 }
 
 inline float fp16_to_float(const uint8_t* p) {
@@ -141,6 +153,83 @@ inline void dequant_block(const uint8_t* b, v16f& lo, v16f& hi) {
   }
 }
 
+// What the 32-value groups of one block share, decoded once a block: nothing for the 32-value
+// types (a block is one group with its own header), each group's scale (and minimum) for the
+// K-quants, as the float products gguf computes (exact: d * sc fits float32's 24 bits).
+template <int64_t T>
+struct Scales {
+  void load(const uint8_t*) {}
+};
+
+template <>
+struct Scales<Q4_K> {
+  alignas(64) float d[16];  // d * sc[g] for g = 0..7, then dmin * mn[g] at d[8 + g]
+  void load(const uint8_t* b) {
+    // the 12 scale bytes as words a (sc[0..3]), m (mn[0..3]), c (their low halves for g >= 4),
+    // and 4 bytes of qs after them; all four built in one vector register
+    v4u32 s;
+    std::memcpy(&s, b + 4, 16);
+    const v4u32 acmc = __builtin_shufflevector(s, s, 0, 2, 1, 2), aamm = __builtin_shufflevector(s, s, 0, 0, 1, 1);
+    const v4u32 shift = {0, 0, 0, 4}, keep = {0x3f3f3f3fu, 0x0f0f0f0fu, 0x3f3f3f3fu, 0x0f0f0f0fu};
+    const v4u32 top2 = {0, 0x30303030u, 0, 0x30303030u};  // bytewise: (x >> 2) & 0x30 is each
+                                                          // byte's top two bits at bits 4-5
+    // [a & 63.., (c & 15..) | top2(a), m & 63.., ((c >> 4) & 15..) | top2(m)]: sc[0..7], mn[0..7]
+    const v16u8 q = (v16u8)(((acmc >> shift) & keep) | ((aamm >> 2) & top2));
+    const float d0 = fp16_to_float(b), dmin = fp16_to_float(b + 2);
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16f zero = {}, dd = lane < 8 ? zero + d0 : zero + dmin;  // a blend, not a stack trip
+    const v16f v = to_v16f(q) * dd;
+    std::memcpy(d, &v, sizeof v);
+  }
+};
+
+template <>
+struct Scales<Q6_K> {
+  alignas(64) float d[16];  // d * scales[i], one per 16 values
+  void load(const uint8_t* b) {
+    v16s8 q;
+    std::memcpy(&q, b + 192, 16);
+    const v16f v = to_v16f(q) * fp16_to_float(b + 208);
+    std::memcpy(d, &v, sizeof v);
+  }
+};
+
+// Group g of a block as values 0..15 (lo) and 16..31 (hi); s: the block's decoded Scales.
+template <int64_t T>
+inline __attribute__((always_inline)) void dequant_group(const uint8_t* b, const Scales<T>& s,
+                                                         int g, v16f& lo, v16f& hi) {
+  if constexpr (T == Q4_K) {
+    v16u8 q0, q1;
+    std::memcpy(&q0, b + 16 + g / 2 * 32, 16);
+    std::memcpy(&q1, b + 16 + g / 2 * 32 + 16, 16);
+    if (g & 1) {
+      q0 = q0 >> 4;
+      q1 = q1 >> 4;
+    } else {
+      q0 = q0 & 0xf;
+      q1 = q1 & 0xf;
+    }
+    lo = to_v16f(q0) * s.d[g] - s.d[8 + g];
+    hi = to_v16f(q1) * s.d[g] - s.d[8 + g];
+  } else if constexpr (T == Q6_K) {
+    const int h = g / 4, r = g % 4;
+    v16u8 l0, l1, h0, h1;
+    std::memcpy(&l0, b + h * 64 + (r & 1) * 32, 16);
+    std::memcpy(&l1, b + h * 64 + (r & 1) * 32 + 16, 16);
+    std::memcpy(&h0, b + 128 + h * 32, 16);
+    std::memcpy(&h1, b + 128 + h * 32 + 16, 16);
+    const int shift_l = (r >> 1) * 4, shift_h = 2 * r;
+    const v16s8 q0 = (v16s8)((((l0 >> shift_l) & 0xf) | (((h0 >> shift_h) & 3) << 4)) - 32);
+    const v16s8 q1 = (v16s8)((((l1 >> shift_l) & 0xf) | (((h1 >> shift_h) & 3) << 4)) - 32);
+    lo = to_v16f(q0) * s.d[2 * g];
+    hi = to_v16f(q1) * s.d[2 * g + 1];
+  } else {
+    (void)s;
+    (void)g;
+    dequant_block<T>(b, lo, hi);
+  }
+}
+
 // The weight bytes ahead of p (never faults, even past the end of the weight).
 inline __attribute__((always_inline)) void prefetch(const uint8_t* p) {
 #if defined(__x86_64__)
@@ -170,24 +259,33 @@ inline void store_out(float v, at::BFloat16* p) { *p = at::BFloat16(v); }  // ro
 
 // y[m, n_begin:n_end] for M rows of x (float32, [M, K]): G output rows at a time, their blocks
 // interleaved so each x vector is loaded once for G rows (G * M accumulators in registers).
+// A block is GROUPS groups of 32 values, their shared scales decoded once (Scales).
 template <int64_t T, int M, typename Out>
 void gemv_rows(const float* x, const uint8_t* w, const float* bias, Out* y, int64_t K, int64_t N,
                int64_t n_begin, int64_t n_end) {
   constexpr int OUT_GROUP = M <= 2 ? 4 : M <= 4 ? 2 : 1;
-  const int64_t nb = K / QK, row_bytes = nb * block_bytes(T);
+  constexpr int64_t BV = block_values(T), BB = block_bytes(T), GROUPS = BV / QK;
+  const int64_t nb = K / BV, row_bytes = nb * BB;
   int64_t n = n_begin;
   for (; n + OUT_GROUP <= n_end; n += OUT_GROUP) {
     v16f acc[OUT_GROUP][M] = {};
     const uint8_t* rows = w + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      v16f lo[OUT_GROUP], hi[OUT_GROUP];
-      for (int g = 0; g < OUT_GROUP; ++g) {
-        prefetch(rows + g * row_bytes + b * block_bytes(T));
-        dequant_block<T>(rows + g * row_bytes + b * block_bytes(T), lo[g], hi[g]);
-      }
-      for (int m = 0; m < M; ++m) {
-        const v16f xl = load16(x + m * K + b * QK), xh = load16(x + m * K + b * QK + 16);
-        for (int g = 0; g < OUT_GROUP; ++g) acc[g][m] += lo[g] * xl + hi[g] * xh;
+      Scales<T> sc[OUT_GROUP];
+      for (int g = 0; g < OUT_GROUP; ++g) sc[g].load(rows + g * row_bytes + b * BB);
+#pragma GCC unroll 8
+      for (int j = 0; j < GROUPS; ++j) {
+        v16f lo[OUT_GROUP], hi[OUT_GROUP];
+        for (int g = 0; g < OUT_GROUP; ++g) {
+          const uint8_t* blk = rows + g * row_bytes + b * BB;
+          prefetch(blk + j * (BB / GROUPS));  // about one a 32 bytes, whatever the type
+          dequant_group<T>(blk, sc[g], j, lo[g], hi[g]);
+        }
+        for (int m = 0; m < M; ++m) {
+          const float* xm = x + m * K + b * BV + j * QK;
+          const v16f xl = load16(xm), xh = load16(xm + 16);
+          for (int g = 0; g < OUT_GROUP; ++g) acc[g][m] += lo[g] * xl + hi[g] * xh;
+        }
       }
     }
     for (int g = 0; g < OUT_GROUP; ++g)
@@ -198,10 +296,17 @@ void gemv_rows(const float* x, const uint8_t* w, const float* bias, Out* y, int6
     v16f acc[M] = {};
     const uint8_t* row = w + n * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      v16f lo, hi;
-      dequant_block<T>(row + b * block_bytes(T), lo, hi);
-      for (int m = 0; m < M; ++m)
-        acc[m] += lo * load16(x + m * K + b * QK) + hi * load16(x + m * K + b * QK + 16);
+      Scales<T> sc;
+      sc.load(row + b * BB);
+#pragma GCC unroll 8
+      for (int j = 0; j < GROUPS; ++j) {
+        v16f lo, hi;
+        dequant_group<T>(row + b * BB, sc, j, lo, hi);
+        for (int m = 0; m < M; ++m) {
+          const float* xm = x + m * K + b * BV + j * QK;
+          acc[m] += lo * load16(xm) + hi * load16(xm + 16);
+        }
+      }
     }
     for (int m = 0; m < M; ++m) store_out(hsum(acc[m]) + (bias ? bias[n] : 0.f), y + m * N + n);
   }
@@ -254,6 +359,8 @@ void gemm_dispatch(int64_t type, const float* x, const uint8_t* w, const float* 
     case Q8_0: return gemm_impl<Q8_0>(x, w, bias, y, M, K, N);
     case Q4_0: return gemm_impl<Q4_0>(x, w, bias, y, M, K, N);
     case Q4_1: return gemm_impl<Q4_1>(x, w, bias, y, M, K, N);
+    case Q4_K: return gemm_impl<Q4_K>(x, w, bias, y, M, K, N);
+    case Q6_K: return gemm_impl<Q6_K>(x, w, bias, y, M, K, N);
     default: TORCH_CHECK(false, "unsupported quantization type ", type);
   }
 }
@@ -328,6 +435,7 @@ void quantize_x(const In* x, int64_t K, QuantX& qx) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SLUICE_I8_ISA "avx512-vnni"
+#define SLUICE_I8_K_QUANTS 1  // this build's integer path takes Q4_K and Q6_K too
 
 // Blocks b and b + 1 of a row (`second` false: block b alone, the other half zero) as 64 u8
 // values, and their scales: d = [d_b x8, d_b+1 x8]; m_b, m_b+1 written to m (Q4_1), or d_b,
@@ -411,9 +519,110 @@ inline __attribute__((always_inline)) void ipair(const uint8_t* const* blk, floa
   }
 }
 
+// The K-quants on the integer path: groups g and g + 1 (g even) of a block in one register, as
+// 64 unsigned values u with w = d_lane * u + m: Q4_K's nibbles (m = -dmin * mn_g, per group,
+// collected as the 32-value types' minimums are), Q6_K's six-bit q (m = -32 d_lane, applied
+// exactly in the integer sums: each lane starts at -32 times its four xq). d_lane: Q4_K's
+// d * sc_g for the 8 lanes of a group; Q6_K's d * scales[i] for the 4 lanes of 16 values.
+// sc: the block's Scales as one register (read once a block: loads of parts of it at offsets
+// not a multiple of 16 bytes missed store forwarding, a third of Q4_K's speed).
+template <int64_t T>
+inline __attribute__((always_inline)) __m512i load_k_pair(const uint8_t* blk, __m512 sc, int pair,
+                                                          __m512& d) {
+  if constexpr (T == Q4_K) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + pair * 32));
+    const __m256i lo = _mm256_and_si256(q, _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0f));
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    d = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(2 * pair)), sc);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    const int h = pair / 2, shift = 4 * (pair % 2);  // groups 2 pair + (0, 1): r = shift / 2 + (0, 1)
+    const __m512i ql = _mm512_loadu_si512(blk + h * 64);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + h * 32));
+    const __m512i low = _mm512_and_si512(_mm512_srl_epi16(ql, _mm_cvtsi32_si128(shift)),
+                                         _mm512_set1_epi8(0x0f));
+    const __m256i h0 = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift));
+    const __m256i h1 = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift + 2));
+    __m512i high = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+    high = _mm512_slli_epi16(_mm512_and_si512(high, _mm512_set1_epi8(3)), 4);
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    d = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(4 * pair)), sc);
+    return _mm512_or_si512(low, high);
+  }
+}
+
 template <int64_t T, int M, typename Out>
-void igemv_rows(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias, Out* y,
-                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+void igemv_rows_k(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias, Out* y,
+                  int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  constexpr int G = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  constexpr int64_t BB = block_bytes(T), GROUPS = 256 / QK;
+  const int64_t nb = K / 256, row_bytes = nb * BB, nbp = qx.nbp;  // nbp = K / 32: no padding
+  const int8_t* xq = qx.q + m_first * nbp * QK;
+  const float* xd = qx.d + m_first * nbp * 8;
+  const float* xs = qx.s + m_first * nbp;
+  std::vector<float> mins(T == Q4_K ? G * nbp : 0);  // Q4_K: dmin * mn_g of each row's groups
+  for (int64_t n = n_begin; n < n_end; n += G) {
+    const int rows = static_cast<int>(std::min<int64_t>(G, n_end - n));
+    __m512 acc[G][M];
+    const uint8_t* blk[G];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[g][m] = _mm512_setzero_ps();
+      blk[g] = w + (n + (g < rows ? g : 0)) * row_bytes;  // a short group repeats its first row
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 sc[G];
+      for (int g = 0; g < G; ++g) {
+        Scales<T> s;
+        s.load(blk[g] + b * BB);
+        sc[g] = _mm512_load_ps(s.d);
+        if constexpr (T == Q4_K) std::memcpy(&mins[g * nbp + b * GROUPS], s.d + 8, 32);
+      }
+#pragma GCC unroll 4
+      for (int pair = 0; pair < GROUPS / 2; ++pair) {
+        __m512i z[G];
+        __m512 d[G];
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          prefetch(blk[g] + b * BB + pair * (BB / 4));
+          z[g] = load_k_pair<T>(blk[g] + b * BB, sc[g], pair, d[g]);
+        }
+        const int64_t at = b * GROUPS + 2 * pair;  // x's block of group 2 pair
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_load_si512(xq + m * nbp * QK + at * QK);
+          const __m512 dx = _mm512_load_ps(xd + m * nbp * 8 + at * 8);
+          __m512i start = _mm512_setzero_si512();
+          if constexpr (T == Q6_K)  // -32 * each lane's sum of xq
+            start = _mm512_sub_epi32(start, _mm512_dpbusd_epi32(start, _mm512_set1_epi8(32), xv));
+#pragma GCC unroll 8
+          for (int g = 0; g < G; ++g) {
+            const __m512i p = _mm512_dpbusd_epi32(start, z[g], xv);
+            acc[g][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d[g], dx), acc[g][m]);
+          }
+        }
+      }
+    }
+    float out[G][M];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        __m512 a = acc[g][m];
+        if constexpr (T == Q4_K) a = _mm512_sub_ps(a, dot_lanes(mins.data() + g * nbp, xs + m * nbp, nbp));
+        out[g][m] = _mm512_reduce_add_ps(a);
+      }
+    for (int g = 0; g < rows; ++g)
+      for (int m = 0; m < M; ++m)
+        store_out(out[g][m] + (bias ? bias[n + g] : 0.f), y + m * N + n + g);
+  }
+}
+
+template <int64_t T, int M, typename Out>
+void igemv_rows_q(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias, Out* y,
+                  int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
   constexpr int G = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   constexpr float MIN_PER_D = T == Q4_1 ? 1.f : T == Q4_0 ? -8.f : -128.f;  // see load_pair
   constexpr int64_t MAX_NB = 2048 / QK + 2;  // blocks a row kept on the stack; more: the heap
@@ -457,6 +666,15 @@ void igemv_rows(const QuantX& qx, int64_t m_first, const uint8_t* w, const float
       for (int m = 0; m < M; ++m)
         store_out(out[g][m] + (bias ? bias[n + g] : 0.f), y + m * N + n + g);
   }
+}
+
+template <int64_t T, int M, typename Out>
+void igemv_rows(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias, Out* y,
+                int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  if constexpr (is_k_quant(T))
+    igemv_rows_k<T, M>(qx, m_first, w, bias, y, K, N, n_begin, n_end);
+  else
+    igemv_rows_q<T, M>(qx, m_first, w, bias, y, K, N, n_begin, n_end);
 }
 
 #elif defined(__AVX2__)
@@ -613,24 +831,41 @@ void igemm_bf16(int64_t type, const at::BFloat16* x, const uint8_t* w, const flo
   switch (type) {
     case Q8_0: return igemm_impl<Q8_0>(qx, w, bias, y, M, K, N);
     case Q4_0: return igemm_impl<Q4_0>(qx, w, bias, y, M, K, N);
+#if defined(SLUICE_I8_K_QUANTS)
+    case Q4_K: return igemm_impl<Q4_K>(qx, w, bias, y, M, K, N);
+    case Q6_K: return igemm_impl<Q6_K>(qx, w, bias, y, M, K, N);
+#endif
     default: return igemm_impl<Q4_1>(qx, w, bias, y, M, K, N);
   }
 }
 
+// Whether this build's integer path takes `type`: the 32-value types always, the K-quants on
+// AVX-512 VNNI only (elsewhere they take the float path, whatever int8_activations says).
+constexpr bool has_int8_path(int64_t type) {
+#if defined(SLUICE_I8_K_QUANTS)
+  return true;
+#else
+  return !is_k_quant(type);
+#endif
+}
+
 void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
-  TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1, "type must be Q8_0 (8), Q4_0 (2) or "
-              "Q4_1 (3), not ", type);
+  TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q6_K,
+              "type must be Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12) or Q6_K (14), not ", type);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
               w.is_contiguous(), "w: a contiguous 2-D uint8 CPU tensor of blocks");
-  TORCH_CHECK(K > 0 && K % QK == 0, "in_features must be a positive multiple of 32, not ", K);
-  TORCH_CHECK(w.size(1) == K / QK * block_bytes(type), "w has ", w.size(1),
-              " bytes a row; ", K, " values take ", K / QK * block_bytes(type));
+  const int64_t bv = block_values(type);
+  TORCH_CHECK(K > 0 && K % bv == 0, "in_features must be a positive multiple of ", bv, " for ",
+              "this type, not ", K);
+  TORCH_CHECK(w.size(1) == K / bv * block_bytes(type), "w has ", w.size(1),
+              " bytes a row; ", K, " values take ", K / bv * block_bytes(type));
 }
 
 // y = x w^T + bias: x [M, K] float32 or bfloat16, w [N, K / 32 * block_bytes] uint8 blocks of
 // `type` (a ggml type id), bias [N] or None (any float dtype). Returns [M, N] in x's dtype.
-// int8_activations: bfloat16 x takes the integer path (x rounded to int8 per block); float32 x
-// always takes the float path, exact up to float32 rounding.
+// int8_activations: bfloat16 x takes the integer path (x rounded to int8 per block) for the
+// 32-value types; float32 x, and the K-quants, always take the float path, exact up to float32
+// rounding.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type,
                         const c10::optional<at::Tensor>& bias, bool int8_activations) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x: a 2-D CPU tensor");
@@ -646,7 +881,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type,
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  if (int8_activations && x.scalar_type() == at::kBFloat16) {
+  if (int8_activations && x.scalar_type() == at::kBFloat16 && has_int8_path(type)) {
     const at::Tensor xc = x.contiguous();
     igemm_bf16(type, xc.data_ptr<at::BFloat16>(), w.data_ptr<uint8_t>(), bp,
                y.data_ptr<at::BFloat16>(), M, K, N);
@@ -664,16 +899,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type,
 
 template <int64_t T, typename Out>
 void dequantize_impl(const uint8_t* w, Out* y, int64_t K, int64_t N) {
-  const int64_t nb = K / QK, row_bytes = nb * block_bytes(T);
+  constexpr int64_t BV = block_values(T), BB = block_bytes(T);
+  const int64_t nb = K / BV, row_bytes = nb * BB;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nb; ++b) {
-        v16f lo, hi;
-        dequant_block<T>(w + n * row_bytes + b * block_bytes(T), lo, hi);
-        Out* out = y + n * K + b * QK;
-        for (int i = 0; i < 16; ++i) {
-          store_out(lo[i], out + i);
-          store_out(hi[i], out + 16 + i);
+        const uint8_t* blk = w + n * row_bytes + b * BB;
+        Scales<T> sc;
+        sc.load(blk);
+        for (int j = 0; j < BV / QK; ++j) {
+          v16f lo, hi;
+          dequant_group<T>(blk, sc, j, lo, hi);
+          Out* out = y + n * K + b * BV + j * QK;
+          for (int i = 0; i < 16; ++i) {
+            store_out(lo[i], out + i);
+            store_out(hi[i], out + 16 + i);
+          }
         }
       }
   });
@@ -692,7 +933,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t K, at::ScalarTy
   switch (type) {
     case Q8_0: SLUICE_DEQUANT(Q8_0) break;
     case Q4_0: SLUICE_DEQUANT(Q4_0) break;
-    default: SLUICE_DEQUANT(Q4_1) break;
+    case Q4_1: SLUICE_DEQUANT(Q4_1) break;
+    case Q4_K: SLUICE_DEQUANT(Q4_K) break;
+    default: SLUICE_DEQUANT(Q6_K) break;
   }
 #undef SLUICE_DEQUANT
   return y;
@@ -913,7 +1156,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0});
+  m.attr("types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0},
+                                         int64_t{Q4_K}, int64_t{Q6_K});
+#if defined(SLUICE_I8_K_QUANTS)
+  m.attr("int8_types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0},
+                                              int64_t{Q4_K}, int64_t{Q6_K});
+#else
+  m.attr("int8_types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0});
+#endif
   m.attr("block_values") = QK;
 #if defined(__AVX512F__)
   m.attr("isa") = "avx512";

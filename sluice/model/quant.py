@@ -114,8 +114,13 @@ class QuantLinear(nn.Module):
 
     def takes_packed(self, dtype: torch.dtype) -> bool:
         """Batches of many `dtype` rows go through the integer GEMM on repacked blocks: bfloat16
-        x on the integer path, where the kernels have that GEMM (AVX-512 VNNI)."""
-        return dtype == torch.bfloat16 and self.int8_activations and self.ops.packed_gemm
+        x on the integer path, for the 32-value types, where the kernels have that GEMM
+        (AVX-512 VNNI; `ops.packed_types`). The K-quants keep a float copy."""
+        return (
+            dtype == torch.bfloat16
+            and self.int8_activations
+            and self.qtype in self.ops.packed_types
+        )
 
     def keep_dense(self, dtype: torch.dtype, min_rows: int = KERNEL_MAX_ROWS + 1) -> None:
         """Compute batches of `min_rows` rows or more with a second copy of the weight: the

@@ -135,6 +135,19 @@ def test_k_quant_linear_refuses_widths_not_a_multiple_of_256(native_ops, monkeyp
     assert "Q4_K" in repr(layer)
 
 
+def test_k_quants_keep_a_float_copy_for_many_bf16_rows(native_ops) -> None:  # noqa: F811
+    """The integer GEMM on repacked blocks takes the 32-value types only: a K-quant layer's
+    second copy is a float one, and repack refuses its blocks."""
+    raw, w = _k_blocks(20, 256, T.Q6_K)
+    layer = QuantLinear(raw, int(T.Q6_K), 256, None, native_ops)
+    layer.keep_dense(torch.bfloat16, min_rows=16)
+    assert layer.packed is None and layer.dense is not None
+    x = torch.randn(16, 256).bfloat16()
+    torch.testing.assert_close(layer(x).double(), x.double() @ w.T, rtol=2**-6, atol=0.5)
+    with pytest.raises(RuntimeError, match="repack takes"):
+        native_ops.repack(raw, int(T.Q6_K), 256)
+
+
 # ----------------------------------------------------------------------------- a tiny Q4_K_M
 
 

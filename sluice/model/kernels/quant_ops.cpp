@@ -998,6 +998,8 @@ void repack_impl(const uint8_t* w, uint8_t* out, int64_t K, int64_t N) {
 
 // The packed form of blocks w [N, K / 32 * block_bytes] of `type`: uint8 [tiles, nb * PACK_BYTES].
 at::Tensor repack(const at::Tensor& w, int64_t type, int64_t K) {
+  TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1, "repack takes Q8_0 (8), Q4_0 (2) "
+              "or Q4_1 (3), not ", type);
   check_weight(w, type, K);
   const int64_t N = w.size(0), nb = K / QK, tiles = (N + PACK_TILE - 1) / PACK_TILE;
   auto out = at::empty({tiles, nb * PACK_BYTES}, w.options());
@@ -1180,10 +1182,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dtype"));
   m.def("repack", &repack, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"));
 #if defined(SLUICE_PACKED_GEMM)
-  m.attr("packed_gemm") = true;
+  m.attr("packed_gemm") = true;  // for the types repack takes
+  m.attr("packed_types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0});
   m.def("packed_linear", &packed_linear, pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("N"), pybind11::arg("bias") = pybind11::none());
 #else
   m.attr("packed_gemm") = false;
+  m.attr("packed_types") = pybind11::make_tuple();
 #endif
 }

@@ -100,9 +100,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
-        if self.packed is not None and x.shape[0] >= self.dense_min_rows:
+        rows = x.shape[0]
+        if self.packed is not None and rows >= self.dense_min_rows and x.dtype == torch.bfloat16:
             return self.ops.packed_linear(x, self.packed, self.out_features, self.bias)
-        if self.dense is not None and x.shape[0] >= self.dense_min_rows:
+        if self.dense is not None and rows >= self.dense_min_rows:
             return self.dense(x)
         return self.ops.quant_linear(
             x.contiguous(), self.qweight, self.qtype, self.bias, self.int8_activations
@@ -128,7 +129,7 @@ class QuantLinear(nn.Module):
         where oneDNN takes `dtype`, else a plain linear layer."""
         from sluice.model.layers import PackedLinear, can_pack_linears
 
-        self.dense_min_rows = min_rows
+        self.dense_min_rows, self.dense, self.packed = min_rows, None, None
         if self.takes_packed(dtype):
             self.packed = self.ops.repack(self.qweight, self.qtype, self.in_features)
             return

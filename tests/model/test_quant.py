@@ -186,16 +186,48 @@ def test_int8_activations_within_the_rounding_bound(int8_ops, qtype, m, k, n) ->
         assert not torch.equal(y, int8_ops.quant_linear(x, raw, int(qtype), bias, False))
 
 
-# M past one pass of the per-row kernels; N not a multiple of the 16-row tiles, an odd number
-# of tiles (the last pair a single tile); M = 300: two blocks of rows (256 a block)
-PACKED_SHAPES = [(9, 32, 5), (13, 96, 21), (16, 576, 193), (40, 1536, 70), (300, 160, 48)]
+# M past one pass of the per-row kernels, with tails of 1, 2 and 3 rows past the 4-row groups;
+# N not a multiple of the 16-row tiles, an odd number of tiles (the last pair a single tile);
+# M = 300, 303: two blocks of rows (256 a block)
+PACKED_SHAPES = [
+    (9, 32, 5), (10, 64, 37), (13, 96, 21), (15, 96, 16), (16, 576, 193), (40, 1536, 70),
+    (300, 160, 48), (303, 96, 16),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def packed_ops(native_ops):
+def packed_native_ops(native_ops):
     if not native_ops.packed_gemm:
         pytest.skip(f"no integer GEMM in this build (integer path: {native_ops.int8_isa})")
     return native_ops
+
+
+@pytest.fixture(scope="module")
+def packed_nobf16_ops(packed_native_ops):
+    """Built as for an AVX-512 VNNI CPU without AVX512-BF16 (Cascade Lake, Ice Lake): the
+    integer GEMM rounds its output to bfloat16 with integer ops instead of vcvtneps2bf16."""
+    if "avx512_bf16" not in cpu_flags():
+        return packed_native_ops  # already that build
+    ops = _build("sluice_quant_ops_nobf16", QUANT_SOURCE, ("-mno-avx512bf16",))
+    assert ops.packed_gemm
+    return ops
+
+
+@pytest.fixture(params=["native", "nobf16"])
+def packed_ops(request):
+    return request.getfixturevalue(f"packed_{request.param}_ops")
+
+
+def test_packed_linear_keeps_a_nan(packed_ops) -> None:
+    """A block whose scale is an fp16 NaN (corrupt weights) gives NaN outputs, never a zero (the
+    bfloat16 rounding without vcvtneps2bf16 must not wrap a NaN's payload)."""
+    raw, _ = _blocks(32, 64, T.Q8_0)
+    raw[3, 0:2] = torch.tensor([0xFF, 0x7F], dtype=torch.uint8)  # d = fp16 0x7fff, a NaN
+    raw[5, 0:2] = torch.tensor([0x00, 0xFE], dtype=torch.uint8)  # d = fp16 0xfe00, a NaN
+    x = torch.randn(12, 64).bfloat16()
+    y = packed_ops.packed_linear(x, packed_ops.repack(raw, int(T.Q8_0), 64), 32, None)
+    assert torch.isnan(y[:, [3, 5]]).all()
+    assert torch.isfinite(y[:, [n for n in range(32) if n not in (3, 5)]]).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -223,6 +255,7 @@ def test_packed_linear_within_the_rounding_bound(packed_ops, qtype, m, k, n) -> 
 
 
 def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(packed_ops, monkeypatch) -> None:
+    monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "1")
     raw, _ = _blocks(40, 96, T.Q4_1)
     x = torch.randn(20, 96).bfloat16()
     layer = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
@@ -231,6 +264,10 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(packed_ops
     packed = packed_ops.repack(raw, int(T.Q4_1), 96)
     assert torch.equal(layer(x), packed_ops.packed_linear(x, packed, 40, None))
     assert torch.equal(layer(x[:2]), packed_ops.quant_linear(x[:2], raw, int(T.Q4_1), None, True))
+    x32 = x.float()  # float32 rows on a layer packed for bfloat16: the exact float kernel
+    assert torch.equal(layer(x32), packed_ops.quant_linear(x32, raw, int(T.Q4_1), None, False))
+    layer.keep_dense(torch.float32, min_rows=16)  # made again: the packed copy is gone
+    assert layer.packed is None and layer.dense is not None
     monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "0")  # no integer path: a float copy
     off = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
     off.keep_dense(torch.bfloat16, min_rows=16)

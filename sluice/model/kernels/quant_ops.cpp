@@ -1013,7 +1013,8 @@ at::Tensor repack(const at::Tensor& w, int64_t type, int64_t K) {
   return out;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 #define SLUICE_PACKED_GEMM 1
 
 // R rows of x (from row m0) times TL tiles (from pointer tile[0..TL)): out[r][t] = 16 sums.
@@ -1070,7 +1071,7 @@ inline void packed_micro(const QuantX& qx, int64_t m0, const uint8_t* const* til
   }
 }
 
-// 16 floats rounded to bfloat16 (to nearest even), as 16 16-bit lanes.
+// 16 floats rounded to bfloat16 (to nearest even), as 16 16-bit lanes; a NaN stays a NaN.
 inline __m256i to_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
@@ -1078,7 +1079,9 @@ inline __m256i to_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));  // a NaN may wrap to 0
+  return _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), h,
+                                 _mm256_set1_epi16(0x7fc0));
 #endif
 }
 
@@ -1122,10 +1125,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(K % QK == 0 && packed.dim() == 2 && packed.size(0) == tiles &&
               packed.size(1) == nb * PACK_BYTES && packed.scalar_type() == at::kByte &&
               packed.is_contiguous(), "packed: the repacked blocks of [", N, ", ", K, "]");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, "packed: 64-byte aligned");
+  TORCH_CHECK(packed.device().is_cpu() &&
+              reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "packed: a 64-byte aligned CPU tensor");
   at::Tensor b;
   if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias: [N]");
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N,
+                "bias: [N] on the CPU");
     b = bias->to(at::kFloat).contiguous();
   }
   auto y = at::empty({M, N}, x.options());

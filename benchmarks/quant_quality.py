@@ -81,7 +81,8 @@ def measure(model: str, mode: str, dtype: str) -> dict:
         ]
         greedy = [o["output_ids"] for o in engine.generate(chats, GREEDY)]
         # one at a time: a decode step of one row, where the block kernels run (the batch of
-        # 16 above, like the prompt logprobs, runs on the float copies)
+        # 16 above, like the prompt logprobs, runs on the second copy: float, or in bfloat16 on
+        # AVX-512 VNNI the repacked blocks of the integer GEMM)
         single = [engine.generate(c, GREEDY)["output_ids"] for c in chats]
         one = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
         engine.generate(chats[0], {**one, "max_new_tokens": 8})  # warm-up

@@ -67,6 +67,14 @@ class ServerArgs:
     num_threads: int = _opt(
         0, "compute threads of the scheduler (0: the cores available)", at_least=0
     )
+    omp_wait_policy: str = _opt(
+        "auto",
+        "how the scheduler's idle OpenMP threads wait: active (spin, then sleep), passive "
+        "(sleep at once); auto: passive when the compute threads take every core (a spinning "
+        "thread would hold the core the HTTP and detokenizer processes need to deliver tokens), "
+        "else OpenMP's default. An OMP_WAIT_POLICY in the environment wins over auto",
+        choices=["auto", "active", "passive"],
+    )
     random_seed: int = _opt(0, "seed for requests that do not give one")
 
     # memory

@@ -7,6 +7,8 @@ The launcher's STOP_SIGNAL exits 0 (`ipc.exit_on_stop_signal`).
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from sluice.config import ServerArgs
@@ -20,6 +22,8 @@ from sluice.messages import (
 from sluice.scheduler.loop import ModelLoop, Request, SchedulerCore
 from sluice.utils import ipc
 
+logger = logging.getLogger(__name__)
+
 PROCESS_TITLE = "sluice::scheduler"
 
 
@@ -28,15 +32,34 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
     An encoder model (embeddings, cross-encoder) gets the EncoderScheduler's core instead."""
     from sluice.checkpoint.encoder_config import is_encoder_model
 
+    wait_policy = set_omp_wait_policy(args)
     if is_encoder_model(args.model_path):
         from sluice.scheduler.encoder_process import run_encoder_process
 
         return run_encoder_process(args, addrs, ready_conn)
 
     def build() -> ModelLoop:
+        logger.info(wait_policy)
         return ModelLoop.bind(DecoderCore.load(args), addrs, args.health_timeout)
 
     ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, build)
+
+
+def set_omp_wait_policy(args: ServerArgs) -> str:
+    """Set this process's OMP_WAIT_POLICY (`--omp-wait-policy`); the line to log. Runs before
+    torch is imported: libgomp reads the variable once, when it loads."""
+    from sluice.utils import envs
+    from sluice.utils.system import available_cpus, omp_wait_policy
+
+    num_cpus, given = available_cpus(), envs.get_str("OMP_WAIT_POLICY")
+    policy = omp_wait_policy(args.omp_wait_policy, args.num_threads, num_cpus, given)
+    if policy is None:
+        kept = f"OMP_WAIT_POLICY={given} from the environment" if given else "OpenMP's default"
+        return f"--omp-wait-policy {args.omp_wait_policy}: {kept}"
+    os.environ["OMP_WAIT_POLICY"] = policy
+    auto = args.omp_wait_policy == "auto"
+    why = f" (the compute threads take all {num_cpus} cores)" if auto else ""
+    return f"--omp-wait-policy {args.omp_wait_policy}: {policy.lower()}{why}"
 
 
 class DecoderCore(SchedulerCore):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -74,6 +73,7 @@ from sluice.tokenizer.normalize import (
     queue_full_error,
 )
 from sluice.tokenizer.req_state import ReqState, merge_update, output_dict
+from sluice.tokenizer.tokenizer_thread import INLINE_MAX_CHARS, TokenizerThread
 from sluice.utils import ipc
 
 __all__ = ["ReqState", "RequestError", "TokenizerManager"]
@@ -108,8 +108,8 @@ class TokenizerManager(OwnsClient):
         self.shutting_down = False  # set by begin_shutdown: no new requests
         # the scheduler and the detokenizer; outputs come back from the detokenizer
         self.client = ModelClient(addrs, CONTROL_REPLIES, peer="detokenizer")
-        # one thread: HF tokenizers are not safe to call concurrently
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # one thread: HF tokenizers are not safe to call concurrently (short texts: on the loop)
+        self._executor = TokenizerThread(thread_name_prefix="tokenize")
         self.embedding_manager = EmbeddingManager(
             tokenizer,
             decoder_info(scheduler_info, self.model_name),
@@ -284,7 +284,8 @@ class TokenizerManager(OwnsClient):
         texts = {p: t for p, t in prompts.items() if isinstance(t, str)}
         ids = {p: list(t) for p, t in prompts.items() if not isinstance(t, str)}
         if texts:
-            encoded = await self._run(self._encode_many, list(texts.values()))
+            size = sum(len(t) for t in texts.values())
+            encoded = await self._run_short(size, self._encode_many, list(texts.values()))
             ids.update(zip(texts, encoded, strict=True))
         return ids
 
@@ -454,8 +455,8 @@ class TokenizerManager(OwnsClient):
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise RequestError("the text to tokenize must be a string", param="prompt")
-        return await self._run(
-            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self._run_short(
+            len(text), lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         )
 
     async def detokenize(self, ids: list[int]) -> str:
@@ -515,6 +516,13 @@ class TokenizerManager(OwnsClient):
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _run_short(self, num_chars: int, fn: Any, *args: Any) -> Any:
+        """`_run`, or on the loop itself for text of `num_chars` up to INLINE_MAX_CHARS while the
+        tokenizer thread is idle (tokenizer_thread.py: the two never overlap)."""
+        if num_chars <= INLINE_MAX_CHARS and self._executor.is_idle():
+            return fn(*args)
+        return await self._run(fn, *args)
 
 
 def _session_params(params: dict[str, Any] | None) -> SessionParams | None:

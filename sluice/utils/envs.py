@@ -42,6 +42,11 @@ ENV_VARS: dict[str, EnvVar] = {
         "cudnn, flash, efficient, math (cuDNN is left out by default: it plans anew for every "
         "new shape, and a serving engine's shapes change every step)",
     ),
+    "OMP_WAIT_POLICY": EnvVar(
+        None,
+        "OpenMP's own: read by the scheduler process before it sets its own policy "
+        "(--omp-wait-policy auto leaves a value given here as it is)",
+    ),
 }
 
 _TRUE = {"1", "true", "yes", "on"}

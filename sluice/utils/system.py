@@ -63,3 +63,16 @@ def native_bf16_flag(flags: frozenset[str]) -> str | None:
     """The flag that says this CPU computes bfloat16 matmuls natively (AMX-BF16 or
     AVX512-BF16), or None."""
     return next((f for f in BF16_CPU_FLAGS if f in flags), None)
+
+
+def omp_wait_policy(setting: str, num_threads: int, num_cpus: int, env: str | None) -> str | None:
+    """The OMP_WAIT_POLICY the scheduler process runs with (None: OpenMP's default, or the
+    environment's `env` as given). `num_threads` 0 means `num_cpus`. Auto picks passive when the
+    compute threads take every core: between parallel regions (and for milliseconds after a
+    step) an active thread spins, and the HTTP and detokenizer processes, which carry each
+    token to its client, then wait for a core."""
+    if setting in ("active", "passive"):
+        return setting.upper()
+    if env is not None:
+        return None
+    return "PASSIVE" if (num_threads or num_cpus) >= num_cpus else None

@@ -7,6 +7,7 @@ left in any process and every KV slot free or cached.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -367,3 +368,35 @@ def test_a_control_message_that_fails_to_encode_leaves_the_next_one_its_reply(
         return sid
 
     assert serving.run(go()) == "good"
+
+
+def test_short_texts_are_encoded_on_the_loop_unless_the_thread_is_busy(
+    serving: Serving, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tm = serving.tm
+    threads: list[str] = []
+    encode = tm.tokenizer.encode
+
+    def spy(*args: Any, **kwargs: Any) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tm.tokenizer, "encode", spy)
+
+    async def go() -> None:
+        expected = encode("hello", add_special_tokens=False)
+        assert await tm.tokenize("hello", add_special_tokens=False) == expected
+        await tm.tokenize("hello " * 1000)  # long: in the thread
+        release = threading.Event()
+        busy = asyncio.get_running_loop().run_in_executor(tm._executor, release.wait)
+        short = asyncio.ensure_future(tm.tokenize("hello"))
+        await asyncio.sleep(0)  # runs until it waits: behind the blocked call, in the thread
+        assert not short.done()
+        release.set()
+        await busy
+        await short
+
+    serving.run(go())
+    loop_thread = threading.current_thread().name
+    assert threads[0] == loop_thread
+    assert threads[1].startswith("tokenize") and threads[2].startswith("tokenize")

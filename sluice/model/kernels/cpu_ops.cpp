@@ -8,7 +8,8 @@
 // else 8 (the build is -march=native; 16-lane vectors split over AVX2 registers ran 1.7x slower
 // than 8-lane ones; -DSLUICE_LANES=8 forces 8, which the tests build too). Work is split over
 // torch's thread pool.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: half the build time, for nothing used here
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -130,6 +130,9 @@ class Pool {
 
   // Test hook: while held, the workers claim nothing (as if never scheduled).
   void hold_workers(bool hold) { hold_.store(hold, std::memory_order_seq_cst); }
+  // Benchmark switch: off, parallel_for is at::parallel_for (the kernels' split before the pool).
+  void enable(bool on) { enabled_.store(on, std::memory_order_relaxed); }
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
 
   PoolStats stats() const {
     return {jobs_.load(), inline_calls_.load(), caller_chunks_.load(), worker_chunks_.load(),
@@ -210,6 +213,7 @@ class Pool {
   alignas(64) std::atomic<bool> busy_{false};
   std::atomic<bool> stop_{false};
   std::atomic<bool> hold_{false};
+  std::atomic<bool> enabled_{true};
   Job job_;
   uint64_t generation_ = 0;
   std::exception_ptr error_;
@@ -245,6 +249,11 @@ void invoke_chunk(const void* ctx, int64_t begin, int64_t end) {
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
+  Pool* pool = pool_source();
+  if (!pool->enabled()) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
   const int64_t range = end - begin, threads = at::get_num_threads();
   if (range <= grain || range == 1 || threads <= 1 || at::in_parallel_region()) {
     f(begin, end);
@@ -252,7 +261,6 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   }
   const int64_t g = std::max<int64_t>(grain, 1);
   const int64_t chunks = std::min({(range + g - 1) / g, threads * CHUNKS_PER_THREAD, MAX_CHUNKS});
-  Pool* pool = pool_source();
   if (!pool->try_acquire()) {
     pool->count_inline();
     f(begin, end);
@@ -266,6 +274,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 }
 
 // The module functions of the pool: `_pool_stats()`, `_pool_hold_workers(hold)` (tests),
+// `_pool_enable(on)` (benchmarks: off is at::parallel_for),
 // `_pool_capsule()` and `_pool_adopt(capsule)` (the other module's pool, if its layout matches).
 inline void bind_pool(pybind11::module_& m) {
   static const char* const CAPSULE = "sluice.kernels.pool";
@@ -278,6 +287,7 @@ inline void bind_pool(pybind11::module_& m) {
     return d;
   });
   m.def("_pool_hold_workers", [](bool hold) { pool_source()->hold_workers(hold); });
+  m.def("_pool_enable", [](bool on) { pool_source()->enable(on); });
   m.def("_pool_capsule", [] {
     return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&getter)), CAPSULE);
   });

@@ -91,13 +91,20 @@ def _outputs(calls: dict[str, object], threads: int) -> dict[str, torch.Tensor]:
         torch.set_num_threads(before)
 
 
-def test_results_are_the_same_bits_on_one_and_two_threads(cpu, quant) -> None:
+def test_results_are_the_same_bits_on_one_and_two_threads_and_with_openmp(cpu, quant) -> None:
     calls = _kernel_calls(cpu, quant)
     jobs = cpu._pool_stats()["jobs"]
     one, two = _outputs(calls, 1), _outputs(calls, 2)
     assert cpu._pool_stats()["jobs"] >= jobs + len(calls)  # two threads did go through the pool
     for name in calls:
         assert torch.equal(one[name], two[name]), name
+    cpu._pool_enable(False)  # at::parallel_for, as before the pool
+    try:
+        openmp = _outputs(calls, 2)
+    finally:
+        cpu._pool_enable(True)
+    for name in calls:
+        assert torch.equal(openmp[name], two[name]), name
 
 
 def test_a_call_completes_while_the_workers_are_held(cpu, quant, two_threads) -> None:

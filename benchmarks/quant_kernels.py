@@ -16,13 +16,22 @@ Llama-3.2-1B's, has them all; SmolLM2's only `down`).
 default model, --quantization gguf, dtype auto): one Engine made with SLUICE_QUANT_INT8_ACT=0
 (old) and one with it 1 (new), then, `--reps` times in turn, one chat prompt decoded for 128
 greedy tokens (EOS ignored) on each; decode tok/s leaves out the prefill (a 1-token run's time).
+
+`--engine --pool` instead compares the kernels' two ways of splitting work over threads in one
+Engine (default settings), switched between runs: at::parallel_for, OpenMP's fork-join (old),
+and sluice's pool of parallel.h (new). `--hog N` runs N busy-looping processes alongside (a
+machine whose cores are shared with other work); `--output-len` the tokens per run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -110,6 +119,69 @@ def engine_decode(reps: int, threads: int, output_len: int = 128) -> None:
         engine.shutdown()
 
 
+@contextlib.contextmanager
+def hogs(count: int) -> Iterator[None]:
+    """`count` processes that each keep a core busy, for the block's duration."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _decode_tps(engine, ids: list[int], output_len: int) -> tuple[float, list[int]]:
+    """Decode tok/s of one greedy run (its prefill's time, a 1-token run's, left out)."""
+    params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+    one = {**params, "max_new_tokens": 1}
+    t0 = time.perf_counter()
+    engine.generate(input_ids=ids, sampling_params=one)
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = engine.generate(input_ids=ids, sampling_params=params)
+    return (output_len - 1) / (time.perf_counter() - t0 - prefill), out["output_ids"]
+
+
+def pool_decode(reps: int, threads: int, output_len: int, num_hogs: int) -> None:
+    import os
+
+    from sluice import Engine
+    from sluice.model.kernels import cpu_ops
+
+    engine = Engine(num_threads=threads, embedding_model_path="none")
+    ops = cpu_ops()
+    messages = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+    text = engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    print(f"single stream, {len(ids)} prompt tokens, {output_len} out, {threads} threads, "
+          f"{num_hogs} hog(s); load {os.getloadavg()[0]:.2f}; medians of {reps}")  # fmt: skip
+    tps: dict[str, list[float]] = {"old": [], "new": []}
+    cpu_s: dict[str, list[float]] = {"old": [], "new": []}
+    outs = {}
+    with hogs(num_hogs):
+        _decode_tps(engine, ids, 8)  # warm: the pool's threads, the caches
+        for _ in range(reps):
+            for name in ("old", "new"):  # interleaved: drift and load hit both alike
+                ops._pool_enable(name == "new")
+                c0 = time.process_time()
+                tok_s, outs[name] = _decode_tps(engine, ids, output_len)
+                tps[name].append(tok_s)
+                cpu_s[name].append((time.process_time() - c0) / output_len * 1e3)
+    ops._pool_enable(True)
+    for name, what in (("old", "at::parallel_for"), ("new", "sluice pool     ")):
+        print(f"{name} ({what}) {statistics.median(tps[name]):6.1f} tok/s "
+              f"{[round(t, 1) for t in tps[name]]}; process CPU "
+              f"{statistics.median(cpu_s[name]):.2f} ms/token")  # fmt: skip
+    ratio = statistics.median(tps["new"]) / statistics.median(tps["old"])
+    same = outs["old"] == outs["new"]
+    print(f"new/old {ratio:.2f}; greedy tokens identical: {same}; "
+          f"load after {os.getloadavg()[0]:.2f}")  # fmt: skip
+    engine.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -118,7 +190,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2")
     parser.add_argument("--engine", action="store_true", help="single-stream decode instead")
+    parser.add_argument("--pool", action="store_true", help="with --engine: old/new thread split")
+    parser.add_argument("--hog", type=int, default=0, help="with --pool: busy processes beside")
+    parser.add_argument("--output-len", type=int, default=128)
     args = parser.parse_args()
+    if args.engine and args.pool:
+        return pool_decode(args.reps, args.threads, args.output_len, args.hog)
     if args.engine:
         return engine_decode(args.reps, args.threads)
     torch.set_num_threads(args.threads)

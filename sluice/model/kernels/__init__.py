@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -44,7 +45,7 @@ from sluice.utils import envs
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")  # self-contained: no local includes
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")  # its local includes: parallel.h
 QUANT_SOURCE = Path(__file__).with_name("quant_ops.cpp")  # GGUF block weights (sluice.model.quant)
 BUILD_LOCK_TIMEOUT_S = 300.0  # another process building the same kernel
 BUILD_INFO = (
@@ -70,8 +71,13 @@ def quant_ops() -> Any | None:
     type, bias=None, int8_activations=False)`, `dequantize(w, type, K, dtype)`, the ggml type ids
     in `types`, those the integer path takes in `int8_types` and its instruction set in
     `int8_isa`), built and cached as
-    `cpu_ops()`; None when it cannot be had."""
-    return _optional_build("sluice_quant_ops", QUANT_SOURCE, "quantized-weight kernels", "")
+    `cpu_ops()`; None when it cannot be had. It runs its work on `cpu_ops()`'s thread pool
+    (`parallel.h`), so that the process has one set of workers."""
+    module = _optional_build("sluice_quant_ops", QUANT_SOURCE, "quantized-weight kernels", "")
+    ops = cpu_ops() if module is not None else None
+    if ops is not None and not module._pool_adopt(ops._pool_capsule()):
+        logger.warning("the kernel modules' thread pools differ; each keeps its own")
+    return module
 
 
 def _optional_build(name: str, source: Path, what: str, fallback: str) -> Any | None:
@@ -102,9 +108,9 @@ def _build(name: str, source: Path, extra_cflags: tuple[str, ...] = ()) -> Any:
     """The module `name` compiled from `source`, from its build folder if that exists, else built
     now; the tests also build a variant with `-DSLUICE_LANES=8`, the vector width of CPUs
     without AVX-512."""
-    code = source.read_bytes()
+    files = build_files(source)
     cflags = [*CFLAGS, *extra_cflags]
-    folder = build_folder(name, code, cflags)
+    folder = build_folder(name, _key_bytes(files), cflags)
     module = _load_built(folder)
     if module is not None:
         logger.debug("reusing the CPU kernels %s from %s", name, folder)
@@ -113,8 +119,26 @@ def _build(name: str, source: Path, extra_cflags: tuple[str, ...] = ()) -> Any:
     with _exclusive(folder.with_name(f"{folder.name}.lock")):
         module = _load_built(folder)  # another process built it while this one waited
         if module is None:
-            module = _compile(name, source.name, code, cflags, folder)
+            module = _compile(name, files, cflags, folder)
     return module
+
+
+def build_files(source: Path) -> dict[str, bytes]:
+    """The bytes of `source` (first) and of the headers next to it that it includes with
+    `#include "name"` (not recursively: the headers include none), by file name."""
+    code = source.read_bytes()
+    files = {source.name: code}
+    for header in re.findall(rb'^#include "([^"/]+)"', code, flags=re.MULTILINE):
+        files[header.decode()] = (source.parent / header.decode()).read_bytes()
+    return files
+
+
+def _key_bytes(files: dict[str, bytes]) -> bytes:
+    """What the build key hashes of `files`: the source's bytes alone when it includes nothing
+    (so such a key is a hash of the source as before), else each file's name and bytes."""
+    if len(files) == 1:
+        return next(iter(files.values()))
+    return b"".join(b"\0" + name.encode() + b"\0" + code for name, code in files.items())
 
 
 def build_folder(name: str, code: bytes, cflags: Sequence[str]) -> Path:
@@ -162,9 +186,9 @@ def _load_built(folder: Path) -> Any | None:
     return module
 
 
-def _compile(name: str, filename: str, code: bytes, cflags: Sequence[str], folder: Path) -> Any:
-    """Build `code` in a fresh temporary folder next to `folder`, then rename it into place;
-    the caller holds the folder's lock."""
+def _compile(name: str, files: dict[str, bytes], cflags: Sequence[str], folder: Path) -> Any:
+    """Build `files` (the source first, then its headers) in a fresh temporary folder next to
+    `folder`, then rename it into place; the caller holds the folder's lock."""
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: use the pip package's
@@ -181,9 +205,10 @@ def _compile(name: str, filename: str, code: bytes, cflags: Sequence[str], folde
     tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
     try:
         tmp.chmod(0o755)  # as any other cache folder, not mkdtemp's 0o700
-        (tmp / filename).write_bytes(code)  # exactly the bytes the key hashed
+        for filename, code in files.items():  # exactly the bytes the key hashed
+            (tmp / filename).write_bytes(code)
         module = load(
-            name=name, sources=[str(tmp / filename)], extra_cflags=list(cflags),
+            name=name, sources=[str(tmp / next(iter(files)))], extra_cflags=list(cflags),
             extra_ldflags=list(LDFLAGS), build_directory=str(tmp), verbose=False,
         )  # fmt: skip
         info = {

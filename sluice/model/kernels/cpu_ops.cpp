@@ -7,10 +7,12 @@
 // vector extensions of W floats, one AVX-512 or AVX2 register: W = 16 where the CPU has AVX-512,
 // else 8 (the build is -march=native; 16-lane vectors split over AVX2 registers ran 1.7x slower
 // than 8-lane ones; -DSLUICE_LANES=8 forces 8, which the tests build too). Work is split over
-// torch's thread pool.
+// at::get_num_threads() threads by sluice::parallel_for (parallel.h).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: half the build time, for nothing used here
 #include <ATen/Parallel.h>
+
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -353,7 +355,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
   auto partial = [&](int64_t task) {  // task = heads task * parts + part
     return Partial{max_sum.data() + task * QH * 2, part_acc.data() + task * QH * C};
   };
-  at::parallel_for(0, heads_tasks * parts, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, heads_tasks * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv;
     std::vector<vf> acc;
     for (int64_t task = begin; task < end; ++task) {
@@ -377,7 +379,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
     }
   });
   if (parts == 1) return;
-  at::parallel_for(0, heads_tasks, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, heads_tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t ht = begin; ht < end; ++ht) {
       const int64_t i = ht / tasks_per_query, h0 = (ht % tasks_per_query) * nkv * G;
       std::vector<Partial> ps(parts);
@@ -414,7 +416,7 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& we
   T* xp = x.data_ptr<T>();
   T* rp = residual ? residual->data_ptr<T>() : nullptr;
   const T* wp = weight.data_ptr<T>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
     for (int64_t i = begin; i < end; ++i) {
       T* xr = xp + i * width;
@@ -445,7 +447,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t N = x.size(0), I = x.size(1) / 2;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* gate = xp + i * 2 * I;
       const T* up = gate + I;
@@ -478,7 +480,7 @@ void rope_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + pos[t] * half;
       const float* s = sp + pos[t] * half;
@@ -520,7 +522,7 @@ inline void load_pair(const at::BFloat16* p, vf& a, vf& b) {
 template <typename T, int M>
 void small_linear_impl(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N) {
   const int64_t KV = K / W;  // vectors per row, an even number
-  at::parallel_for(0, (N + W - 1) / W, 1, [&](int64_t begin, int64_t end) {
+  sluice::parallel_for(0, (N + W - 1) / W, 1, [&](int64_t begin, int64_t end) {
     std::vector<vf> xv(M * KV);  // x's rows in load_pair's lane order
     for (int m = 0; m < M; ++m)
       for (int64_t c = 0; c < KV; c += 2)
@@ -716,6 +718,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  sluice::bind_pool(m);
   m.attr("attention_head_dims") = pybind11::make_tuple(16, 32, 64, 80, 96, 128);  // the switch
   m.def("decode_attention", &decode_attention);
   m.def("extend_attention", &extend_attention);

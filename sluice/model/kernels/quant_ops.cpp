@@ -27,7 +27,7 @@
 // once (the block read once for all of them), the output rounded to x's dtype. Vectors are GCC
 // vector extensions of 16 floats: one AVX-512 register, or two AVX2 ones where the CPU has no
 // AVX-512 (the build is -march=native, keyed by the CPU's flags, so the instruction set is the
-// running CPU's). Work is split over output rows with torch's thread pool.
+// running CPU's). Work is split over output rows by sluice::parallel_for (parallel.h).
 //
 // bfloat16 x may instead take the integer path (`int8_activations`, below; the K-quants on
 // AVX-512 VNNI builds only, elsewhere they take the float path): x rounded to int8 per 32 values, integer dot products (AVX-512 VNNI, AVX-VNNI, AVX2 maddubs or scalar),
@@ -37,6 +37,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: half the build time, for nothing used here
 #include <ATen/Parallel.h>
+
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -335,7 +337,7 @@ template <typename Tile>
 void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
   constexpr int64_t CHUNK = 64;
   const int64_t chunks = (N + CHUNK - 1) / CHUNK;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  sluice::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * CHUNK, n1 = std::min(N, n0 + CHUNK);
       for (int64_t m = 0; m < M; m += ROWS) {
@@ -405,7 +407,7 @@ inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 template <typename In>
 void quantize_x(const In* x, int64_t K, QuantX& qx) {
   const int64_t nb = K / QK;
-  at::parallel_for(0, qx.M, 16, [&](int64_t m0, int64_t m1) {
+  sluice::parallel_for(0, qx.M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < qx.nbp; ++b) {
         int8_t* q = qx.q + (m * qx.nbp + b) * QK;
@@ -902,7 +904,7 @@ template <int64_t T, typename Out>
 void dequantize_impl(const uint8_t* w, Out* y, int64_t K, int64_t N) {
   constexpr int64_t BV = block_values(T), BB = block_bytes(T);
   const int64_t nb = K / BV, row_bytes = nb * BB;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  sluice::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + n * row_bytes + b * BB;
@@ -981,7 +983,7 @@ template <int64_t T>
 void repack_impl(const uint8_t* w, uint8_t* out, int64_t K, int64_t N) {
   const int64_t nb = K / QK, row_bytes = nb * block_bytes(T);
   const int64_t tiles = (N + PACK_TILE - 1) / PACK_TILE;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  sluice::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* p = out + (t * nb + b) * PACK_BYTES;
@@ -1145,7 +1147,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   constexpr int64_t PACKED_M_BLOCK = 256;
   const int64_t pairs = (tiles + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t c0, int64_t c1) {
+  sluice::parallel_for(0, pairs, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t mb = 0; mb < M; mb += PACKED_M_BLOCK) {
       const int64_t me = std::min(M, mb + PACKED_M_BLOCK);
       for (int64_t c = c0; c < c1; ++c) {
@@ -1165,6 +1167,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  sluice::bind_pool(m);
   m.attr("types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0},
                                          int64_t{Q4_K}, int64_t{Q6_K});
 #if defined(SLUICE_I8_K_QUANTS)

@@ -242,6 +242,8 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
     when no request has a processor. The input is never modified."""
     if not info.has_logit_processors:
         return logits
+    if _only_grammar_on_every_row(info, logits.shape[0]):  # one pass, not a copy and an add
+        return logits + grammar_bias(info.grammar_masks.to(logits.device), logits.shape[1])
     out = logits.clone()
     if info.repetition is not None:
         rows, cols, factors = info.repetition
@@ -255,6 +257,13 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
     if info.grammar_rows is not None:
         _apply_grammar(out, logits, info.grammar_rows, info.grammar_masks, info.blocked is not None)
     return out
+
+
+def _only_grammar_on_every_row(info: SamplingBatchInfo, num_rows: int) -> bool:
+    return (
+        info.repetition is None and info.additive is None and info.blocked is None
+        and info.grammar_rows is not None and len(info.grammar_rows) == num_rows
+    )  # fmt: skip
 
 
 # per byte value, the additive mask of its 8 tokens: 0 where the bit is set (allowed), -inf

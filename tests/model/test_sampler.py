@@ -289,6 +289,25 @@ def test_a_grammar_that_allows_only_a_blocked_stop_wins_over_min_new_tokens():
     assert sample(logits, info).next_token_ids.tolist()[1] != 1
 
 
+@pytest.mark.parametrize("grammar_rows", [[0, 1, 2], [0, 2]])
+def test_grammar_masks_leave_the_raw_logits_alone_on_every_path(grammar_rows):
+    """Masks on every row (one add, no copy first) or on some: allowed tokens keep their
+    logits, the others are -inf, unmasked rows are untouched, and the input is not modified."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 70, generator=gen)
+    raw = logits.clone()
+    masks = torch.randint(-(2**31), 2**31 - 1, (len(grammar_rows), 3), dtype=torch.int32)
+    info = build([SamplingParams(temperature=0.0)] * 3, vocab=70)
+    info.grammar_rows, info.grammar_masks = torch.tensor(grammar_rows), masks
+    out = apply_logit_processors(logits, info)
+    assert torch.equal(logits, raw)
+    bias = sampler.grammar_bias(masks, 70)
+    for row in range(3):
+        want = raw[row] + bias[grammar_rows.index(row)] if row in grammar_rows else raw[row]
+        assert torch.equal(out[row], want)
+    assert sample(logits, info).next_token_ids.tolist() == out.argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize("vocab", [1024 * 3, 1024 * 3 + 5, 1500, 700])
 def test_greedy_argmax_is_torch_argmax_with_its_tie_break(vocab):
     """By blocks (`ARGMAX_BLOCK` 1024), the same index as torch.argmax, the first on ties:

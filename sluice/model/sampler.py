@@ -9,7 +9,8 @@
    -inf on the blocked tokens (stop ids below `min_new_tokens`), then -inf on the tokens a request's
    grammar does not allow (a grammar wins over `min_new_tokens`: a row that the two together
    leave with no token keeps the grammar's mask alone);
-2. greedy rows (temperature 0 or top_k 1) take the argmax of the processed logits;
+2. greedy rows (temperature 0 or top_k 1) take the argmax of the processed logits (the first
+   index of the maximum, as `torch.argmax`; on the CPU by blocks, `greedy_argmax`);
 3. sampling rows: temperature, top-k (on logits), softmax, top-p, min-p (on probabilities), and one
    inverse-CDF draw per row.
 
@@ -34,6 +35,9 @@ GREEDY_EPS = 1e-5  # temperatures below this are greedy
 # top-p looks for its cut among this many best tokens, then this many, before sorting a row
 TOP_P_CANDIDATES = (256, 2048)
 _MASK64 = (1 << 64) - 1
+# the CPU's argmax over a row is an order of magnitude slower than its max: a row is searched as
+# blocks of this many logits (one max per block, then an argmax within the best block)
+ARGMAX_BLOCK = 1024
 
 
 class TopK(NamedTuple):
@@ -238,6 +242,8 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
     when no request has a processor. The input is never modified."""
     if not info.has_logit_processors:
         return logits
+    if _only_grammar_on_every_row(info, logits.shape[0]):  # one pass, not a copy and an add
+        return logits + grammar_bias(info.grammar_masks.to(logits.device), logits.shape[1])
     out = logits.clone()
     if info.repetition is not None:
         rows, cols, factors = info.repetition
@@ -251,6 +257,13 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
     if info.grammar_rows is not None:
         _apply_grammar(out, logits, info.grammar_rows, info.grammar_masks, info.blocked is not None)
     return out
+
+
+def _only_grammar_on_every_row(info: SamplingBatchInfo, num_rows: int) -> bool:
+    return (
+        info.repetition is None and info.additive is None and info.blocked is None
+        and info.grammar_rows is not None and len(info.grammar_rows) == num_rows
+    )  # fmt: skip
 
 
 # per byte value, the additive mask of its 8 tokens: 0 where the bit is set (allowed), -inf
@@ -294,16 +307,35 @@ def sample(
     the returned logprobs are zeros (no full-vocab log-softmax is computed)."""
     processed = apply_logit_processors(logits, info)
     if info.is_all_greedy:
-        next_ids = processed.argmax(dim=-1)
+        next_ids = greedy_argmax(processed)
     elif info.sample_rows is None:
         next_ids = _sample_rows(processed, info)
     else:
-        next_ids = processed.argmax(dim=-1)
+        next_ids = greedy_argmax(processed)
         next_ids[info.sample_rows] = _sample_rows(processed[info.sample_rows], info)
     if not need_logprobs:
         return SampleOutput(next_ids, torch.zeros(len(next_ids)), None)
     logprobs, top = token_logprobs(logits, next_ids, max_top_k)
     return SampleOutput(next_ids, logprobs, top)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: `logits.argmax(dim=-1)` of [R, V], the same index on ties (the first). The
+    first block holding a row's maximum holds its first occurrence; a last block past V reads
+    index V - 1 again, after the real one, so it never wins a tie."""
+    rows, vocab = logits.shape
+    num_blocks = -(-vocab // ARGMAX_BLOCK)
+    if logits.device.type != "cpu" or num_blocks < 2 or rows == 0:
+        return logits.argmax(dim=-1)
+    x = logits.contiguous()
+    full = vocab // ARGMAX_BLOCK
+    block_max = x.as_strided((rows, full, ARGMAX_BLOCK), (x.stride(0), ARGMAX_BLOCK, 1)).amax(-1)
+    if full < num_blocks:
+        block_max = torch.cat([block_max, x[:, full * ARGMAX_BLOCK :].amax(-1, keepdim=True)], 1)
+    best = block_max.argmax(dim=-1, keepdim=True)  # [R, 1], the first block with the maximum
+    cols = best * ARGMAX_BLOCK + torch.arange(ARGMAX_BLOCK, device=x.device)  # [R, block]
+    cols.clamp_(max=vocab - 1)
+    return cols.gather(1, x.gather(1, cols).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

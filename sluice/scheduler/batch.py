@@ -16,6 +16,7 @@ the hidden states are only asked of the model when an embedding request is in th
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,8 @@ class StepPlan:
     """What one forward computes. `last[i]` has its logits at row `last_rows[i]`: its prompt is
     complete after this step (prefill) or it decodes; `spans` are the prompt-logprob ranges
     (req, first logits row, first position). `grammar_masks` [G, ceil(V / 32)] are those of the
-    requests of `last` that a grammar constrains now, in order."""
+    requests of `last` that a grammar constrains now, in order: filled while the forward runs,
+    so sampling waits for them."""
 
     reqs: list[Req]
     forward: ForwardBatch
@@ -44,7 +46,7 @@ class StepPlan:
     last: list[Req]
     last_rows: list[int]
     spans: list[tuple[Req, int, int]] = field(default_factory=list)
-    grammar_masks: torch.Tensor | None = None
+    grammar_masks: Future[torch.Tensor] | None = None
 
 
 @dataclass
@@ -190,7 +192,7 @@ def _sample(plan: StepPlan, rows: list[int], logits: torch.Tensor, result: StepO
     masks = None
     if grammar_rows:
         order = {id(r): k for k, r in enumerate(constrained_reqs(plan))}
-        masks = plan.grammar_masks[[order[id(reqs[j])] for j in grammar_rows]]
+        masks = plan.grammar_masks.result()[[order[id(reqs[j])] for j in grammar_rows]]
     info = SamplingBatchInfo.build(
         [r.params for r in reqs], [r.seed for r in reqs],
         [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],

@@ -14,7 +14,9 @@ A request that carries a grammar (`json_schema`, `regex` or `ebnf` in its sampli
   not started;
 - each step, `fill_masks` writes the allowed-token bitmask of every constrained row of a batch
   in one call (llguidance's executor); the sampler applies them to the batch's logits in one
-  vectorized op (`model/sampler.py`).
+  vectorized op (`model/sampler.py`). `start_masks` runs it on a thread of its own while the
+  forward runs (both release the GIL): the step joins it before sampling, and before anything
+  advances a matcher again, so a matcher is never read and advanced at once.
 
 The matcher advances with each accepted token; when the grammar can take no further token it is
 stopped, and the request ends with "stop". An `ebnf` grammar is Lark (llguidance's dialect, which
@@ -99,10 +101,18 @@ class GrammarManager:
     """
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, timeout: float, num_threads: int = 2
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        timeout: float,
+        num_threads: int = 2,
+        overlap: bool = True,
     ) -> None:
         self.hf_tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        # masks are filled beside the forward (`overlap`), one step at a time
+        self.overlap = overlap
+        self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.cache: OrderedDict[tuple[str, str], _Job] = OrderedDict()
         self.queue: list[tuple[Any, tuple[str, str], _Job]] = []  # (req, key, its compilation)
         self._lltok: Any = None
@@ -231,6 +241,18 @@ class GrammarManager:
         return None
 
     # ---- masks --------------------------------------------------------------------------
+
+    def start_masks(self, reqs: list[Any]) -> Future[torch.Tensor]:
+        """`fill_masks(reqs)`, on the mask thread (or done now without `overlap`). The caller
+        waits for it before any of `reqs` advances its grammar."""
+        if self.overlap:
+            return self.mask_pool.submit(self.fill_masks, reqs)
+        done: Future[torch.Tensor] = Future()
+        try:
+            done.set_result(self.fill_masks(reqs))
+        except Exception as e:
+            done.set_exception(e)
+        return done
 
     def fill_masks(self, reqs: list[Any]) -> torch.Tensor:
         """The allowed-token bitmask [G, ceil(V / 32)] int32 of each request's next token: its

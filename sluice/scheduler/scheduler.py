@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -404,8 +405,12 @@ class Scheduler:
                 plan = (plan_prefill if prefill else plan_decode)(reqs, r2t, slots, device)
                 constrained = constrained_reqs(plan)
                 if constrained:
-                    plan.grammar_masks = self.grammars.fill_masks(constrained)
-                out = execute(self.runner, plan)
+                    plan.grammar_masks = self.grammars.start_masks(constrained)
+                try:
+                    out = execute(self.runner, plan)
+                finally:  # the matchers are the loop's again only once the masks are filled
+                    if plan.grammar_masks is not None:
+                        wait_futures([plan.grammar_masks])
             except Exception:
                 self.allocator.free(slots)
                 raise

@@ -287,3 +287,42 @@ def test_a_grammar_that_allows_only_a_blocked_stop_wins_over_min_new_tokens():
     info.grammar_rows, info.grammar_masks = torch.tensor([0]), only_token_1
     assert sample(logits, info).next_token_ids.tolist()[0] == 1
     assert sample(logits, info).next_token_ids.tolist()[1] != 1
+
+
+@pytest.mark.parametrize("grammar_rows", [[0, 1, 2], [0, 2]])
+def test_grammar_masks_leave_the_raw_logits_alone_on_every_path(grammar_rows):
+    """Masks on every row (one add, no copy first) or on some: allowed tokens keep their
+    logits, the others are -inf, unmasked rows are untouched, and the input is not modified."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 70, generator=gen)
+    raw = logits.clone()
+    masks = torch.randint(-(2**31), 2**31 - 1, (len(grammar_rows), 3), dtype=torch.int32)
+    info = build([SamplingParams(temperature=0.0)] * 3, vocab=70)
+    info.grammar_rows, info.grammar_masks = torch.tensor(grammar_rows), masks
+    out = apply_logit_processors(logits, info)
+    assert torch.equal(logits, raw)
+    bias = sampler.grammar_bias(masks, 70)
+    for row in range(3):
+        want = raw[row] + bias[grammar_rows.index(row)] if row in grammar_rows else raw[row]
+        assert torch.equal(out[row], want)
+    assert sample(logits, info).next_token_ids.tolist() == out.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1024 * 3, 1024 * 3 + 5, 1500, 700])
+def test_greedy_argmax_is_torch_argmax_with_its_tie_break(vocab):
+    """By blocks (`ARGMAX_BLOCK` 1024), the same index as torch.argmax, the first on ties:
+    within a block, across blocks, in a short last block, on rows of -inf with a few allowed
+    tokens (a grammar's mask), and on a non-contiguous view."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab, generator=g)
+    x[1, [5, 600]] = 9.0  # a tie within the first block
+    x[2, [vocab - 1, 1030 % vocab]] = 9.0  # a tie across blocks, one in the last
+    x[3, vocab - 1] = 9.0  # the maximum alone in the last (maybe short) block
+    x[4] = float("-inf")
+    x[4, [vocab // 2, vocab - 2]] = 1.0  # only two allowed, tied
+    x[5] = 0.0  # every token tied: index 0
+    x[6, -3:] = 9.0  # a tie inside the last block
+    for logits in (x, x[:, :-1], x[::2]):
+        got = sampler.greedy_argmax(logits)
+        assert got.dtype == torch.int64
+        assert got.tolist() == logits.argmax(dim=-1).tolist()

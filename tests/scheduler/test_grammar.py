@@ -353,3 +353,71 @@ def test_stop_tokens_wait_for_the_end_of_the_reasoning(engine: Engine) -> None:
     end = engine.tokenizer.encode("</think>")[-1]
     res = _reasoning_run(engine, {eos: 100.0, end: -100.0}, end, -1)
     assert eos not in res.output_ids and res.finish.type == "length"
+
+
+def _person_schema() -> dict[str, str]:
+    by_name = {e["name"]: e["schema"] for e in CORPUS["json_schemas"]}
+    return {"json_schema": json.dumps(by_name["person"])}
+
+
+def test_masks_are_filled_beside_the_forward_with_the_same_output(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `overlap`, every step's masks are being filled (on their thread) while its forward
+    runs, and the seeded outputs are those of masks filled before the forward."""
+    grammars, runner = engine.scheduler.grammars, engine.scheduler.runner
+    grammars_in = [_person_schema(), {"regex": "[a-z]{3,40}"}] * 2
+    monkeypatch.setattr(grammars, "overlap", False)
+    before = _generate(engine, grammars_in, max_new_tokens=48)
+    monkeypatch.setattr(grammars, "overlap", True)
+    started = threading.Event()
+    fill, forward = grammars.fill_masks, runner.forward
+    beside: list[bool] = []
+
+    def fill_masks(reqs: list[Any]) -> Any:
+        started.set()
+        return fill(reqs)
+
+    def forward_(fb: Any) -> Any:
+        beside.append(started.wait(30))  # every step here has constrained rows
+        started.clear()
+        return forward(fb)
+
+    monkeypatch.setattr(grammars, "fill_masks", fill_masks)
+    monkeypatch.setattr(runner, "forward", forward_)
+    beside_out = _generate(engine, grammars_in, max_new_tokens=48)
+    assert len(beside) > 10 and all(beside)
+    assert [o["output_ids"] for o in beside_out] == [o["output_ids"] for o in before]
+
+
+def test_a_failing_forward_waits_for_its_masks_before_its_requests_end(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A matcher is never read (mask thread) and dropped or advanced (loop) at once: a forward
+    that fails ends its requests only once their masks are filled."""
+    grammars, sched = engine.scheduler.grammars, engine.scheduler
+    monkeypatch.setattr(grammars, "overlap", True)
+    events: list[str] = []
+    release = threading.Event()
+    fill, finish = grammars.fill_masks, sched.finish
+
+    def fill_masks(reqs: list[Any]) -> Any:
+        release.wait(30)  # held until the forward has failed
+        masks = fill(reqs)
+        events.append("masks")
+        return masks
+
+    def forward_(fb: Any) -> Any:
+        release.set()
+        raise RuntimeError("injected fault")
+
+    def finish_(req: Any, reason: Any) -> None:
+        events.append("finish")
+        finish(req, reason)
+
+    monkeypatch.setattr(grammars, "fill_masks", fill_masks)
+    monkeypatch.setattr(sched.runner, "forward", forward_)
+    monkeypatch.setattr(sched, "finish", finish_)
+    outs = _generate(engine, [_person_schema()] * 2, max_new_tokens=8)
+    assert [o["meta_info"]["finish_reason"]["status_code"] for o in outs] == [500, 500]
+    assert events[0] == "masks" and events.count("finish") == 2

@@ -256,7 +256,9 @@ async def _drive(base_url: str, prompts: list, wl_or_len: Workload | int, concur
     return await drive(base_url + "/v1/completions", payloads, concurrency)
 
 
-async def drive(url: str, payloads: list[dict] | list[bytes], concurrency: int, send=stream_request):
+async def drive(
+    url: str, payloads: list[dict] | list[bytes], concurrency: int, send=stream_request
+):
     """Closed loop: `concurrency` workers share one queue of request bodies (dicts, or bytes
     already JSON-encoded), sent to `url` by `send` (streamed completions by default). Returns
     (stats, errors, s); stats[i] is None where payloads[i] failed."""

@@ -69,10 +69,10 @@ class ServerArgs:
     )
     omp_wait_policy: str = _opt(
         "auto",
-        "how the scheduler's idle OpenMP threads wait: active (spin, then sleep), passive "
-        "(sleep at once); auto: passive when the compute threads take every core (a spinning "
-        "thread would hold the core the HTTP and detokenizer processes need to deliver tokens), "
-        "else OpenMP's default. An OMP_WAIT_POLICY in the environment wins over auto",
+        "how the scheduler's idle OpenMP threads wait: active (spin without end: the HTTP and "
+        "detokenizer processes then wait for a core), passive (sleep at once: every parallel "
+        "region wakes its threads); auto: OpenMP's default (spin a while, then sleep), or "
+        "OMP_WAIT_POLICY from the environment. On 2 cores auto was fastest (README)",
         choices=["auto", "active", "passive"],
     )
     random_seed: int = _opt(0, "seed for requests that do not give one")

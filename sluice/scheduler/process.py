@@ -49,17 +49,15 @@ def set_omp_wait_policy(args: ServerArgs) -> str:
     """Set this process's OMP_WAIT_POLICY (`--omp-wait-policy`); the line to log. Runs before
     torch is imported: libgomp reads the variable once, when it loads."""
     from sluice.utils import envs
-    from sluice.utils.system import available_cpus, omp_wait_policy
+    from sluice.utils.system import omp_wait_policy
 
-    num_cpus, given = available_cpus(), envs.get_str("OMP_WAIT_POLICY")
-    policy = omp_wait_policy(args.omp_wait_policy, args.num_threads, num_cpus, given)
+    given = envs.get_str("OMP_WAIT_POLICY")
+    policy = omp_wait_policy(args.omp_wait_policy)
     if policy is None:
         kept = f"OMP_WAIT_POLICY={given} from the environment" if given else "OpenMP's default"
         return f"--omp-wait-policy {args.omp_wait_policy}: {kept}"
     os.environ["OMP_WAIT_POLICY"] = policy
-    auto = args.omp_wait_policy == "auto"
-    why = f" (the compute threads take all {num_cpus} cores)" if auto else ""
-    return f"--omp-wait-policy {args.omp_wait_policy}: {policy.lower()}{why}"
+    return f"--omp-wait-policy {args.omp_wait_policy}: {policy.lower()}"
 
 
 class DecoderCore(SchedulerCore):

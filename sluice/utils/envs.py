@@ -30,6 +30,13 @@ ENV_VARS: dict[str, EnvVar] = {
         "build and use sluice's C++ CPU kernels (attention, linear layers of a few rows, fused "
         "norm, SiLU, rotary); 0: PyTorch ops only",
     ),
+    "SLUICE_KERNEL_POOL": EnvVar(
+        "0",
+        "1: the CPU kernels split their work with sluice's own thread pool (kernels/parallel.h), "
+        "which never waits for a thread that another process holds, instead of OpenMP: much "
+        "faster when the cores are shared, about 0.8x on a quiet 2-core machine (measured in "
+        "benchmarks/README.md)",
+    ),
     "SLUICE_QUANT_INT8_ACT": EnvVar(
         "1",
         "block-weight layers (GGUF Q8_0/Q4_0/Q4_1, --quantization gguf/int8/int4) with bfloat16 "

@@ -5,7 +5,10 @@ both kernel modules, and a build key that covers the header."""
 
 from __future__ import annotations
 
+import os
 import resource
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +28,9 @@ T = gguf.GGMLQuantizationType
 def cpu():
     ops = kernels.cpu_ops()
     assert ops is not None, "the CPU kernels did not build (see the warning log)"
-    return ops
+    ops._pool_enable(True)  # off by default (SLUICE_KERNEL_POOL): on for these tests
+    yield ops
+    ops._pool_enable(kernels.pool_wanted())
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +210,26 @@ def test_the_build_key_covers_the_headers_a_source_includes(tmp_path: Path) -> N
     assert kernels._key_bytes(kernels.build_files(alone)) == alone.read_bytes()
     assert "parallel.h" in kernels.build_files(kernels.SOURCE)
     assert "parallel.h" in kernels.build_files(kernels.QUANT_SOURCE)
+
+
+POOL_PROBE = """
+import torch
+from sluice.model import kernels
+torch.set_num_threads(2)
+ops = kernels.cpu_ops()
+jobs = ops._pool_stats()["jobs"]
+ops.silu_and_mul(torch.randn(64, 2 * 1536))
+print("POOL JOBS", ops._pool_stats()["jobs"] - jobs)
+"""
+
+
+@pytest.mark.parametrize(("env", "expect_jobs"), [("0", False), ("1", True)])
+def test_the_pool_is_off_unless_sluice_kernel_pool_asks(env: str, expect_jobs: bool) -> None:
+    """OpenMP splits the kernels' work by default; SLUICE_KERNEL_POOL=1 hands it to the pool."""
+    out = subprocess.run(
+        [sys.executable, "-c", POOL_PROBE], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "SLUICE_KERNEL_POOL": env},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("POOL JOBS")]
+    assert (int(line.split()[-1]) > 0) == expect_jobs, out.stdout

@@ -73,7 +73,9 @@ def avx2_maddubs_ops(native_ops):
         pytest.skip("this CPU has no AVX2")
     if native_ops.int8_isa == "avx2":
         return native_ops
-    ops = _build("sluice_quant_ops_avx2_maddubs", QUANT_SOURCE, ("-mno-avx512f", "-mno-avxvnni", VARIANT_O))
+    ops = _build(
+        "sluice_quant_ops_avx2_maddubs", QUANT_SOURCE, ("-mno-avx512f", "-mno-avxvnni", VARIANT_O)
+    )
     assert ops.int8_isa == "avx2"
     return ops
 
@@ -257,7 +259,9 @@ def test_packed_linear_within_the_rounding_bound(packed_ops, qtype, m, k, n) -> 
     assert packed_ops.packed_linear(x[:0], packed, n, None).shape == (0, n)
 
 
-def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(packed_ops, monkeypatch) -> None:
+def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
+    packed_ops, monkeypatch
+) -> None:
     monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "1")
     raw, _ = _blocks(40, 96, T.Q4_1)
     x = torch.randn(20, 96).bfloat16()

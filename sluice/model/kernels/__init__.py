@@ -61,8 +61,17 @@ LDFLAGS = ("-fopenmp",)  # tuples: torch's builder appends to the lists it is gi
 
 @functools.cache
 def cpu_ops() -> Any | None:
-    """The compiled module of sluice's CPU kernels, or None."""
-    return _optional_build("sluice_cpu_ops", SOURCE, "C++ CPU kernels", "; using PyTorch ops")
+    """The compiled module of sluice's CPU kernels, or None. Its work is split by OpenMP
+    (at::parallel_for), or by the thread pool of parallel.h when `pool_wanted()`."""
+    ops = _optional_build("sluice_cpu_ops", SOURCE, "C++ CPU kernels", "; using PyTorch ops")
+    if ops is not None and pool_wanted():
+        ops._pool_enable(True)
+        logger.info("SLUICE_KERNEL_POOL: the CPU kernels split their work with sluice's pool")
+    return ops
+
+
+def pool_wanted() -> bool:
+    return envs.get_bool("SLUICE_KERNEL_POOL")
 
 
 @functools.cache

@@ -213,7 +213,7 @@ class Pool {
   alignas(64) std::atomic<bool> busy_{false};
   std::atomic<bool> stop_{false};
   std::atomic<bool> hold_{false};
-  std::atomic<bool> enabled_{true};
+  std::atomic<bool> enabled_{false};  // off: at::parallel_for (SLUICE_KERNEL_POOL turns it on)
   Job job_;
   uint64_t generation_ = 0;
   std::exception_ptr error_;

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,18 +35,9 @@ from sluice.engine import Engine, parse_sampling_params
 from sluice.messages import TokenizedGenerateReqInput
 
 HERE = Path(__file__).resolve().parent
-CORPUS = HERE.parent / "tests" / "data" / "grammar_corpus.json"
-B_SCHEMAS = (
-    "person", "calendar_event", "product_review", "tool_call_weather",
-    "weather_report", "sentiment", "flight_booking", "yes_no_reason",
-)  # fmt: skip
-NAMES = (
-    "Ada Lovelace", "Alan Turing", "Grace Hopper", "Marie Curie", "Niels Bohr", "Emmy Noether",
-    "Katherine Johnson", "Claude Shannon", "Rosalind Franklin", "Srinivasa Ramanujan",
-    "Hedy Lamarr", "Carl Gauss", "Lise Meitner", "John von Neumann", "Barbara McClintock",
-    "Edsger Dijkstra",
-)  # fmt: skip
-MAX_TOKENS = 128
+sys.path.insert(0, str(HERE))
+# the workloads are structured_output.py's: its schemas, prompts and output length
+from structured_output import B_SCHEMAS, CORPUS, MAX_TOKENS, person_prompt  # noqa: E402
 
 
 @dataclass
@@ -111,9 +103,10 @@ def prompts(engine: Engine, n: int) -> list[list[int]]:
     tok = engine.tokenizer
     out = []
     for i in range(n):
-        text = f"Write a JSON object describing a person named {NAMES[i % len(NAMES)]}."
         chat = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": person_prompt(i)}],
+            add_generation_prompt=True,
+            tokenize=False,
         )
         out.append(tok.encode(chat, add_special_tokens=False))
     return out

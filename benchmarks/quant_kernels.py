@@ -147,7 +147,7 @@ def pool_decode(reps: int, threads: int, output_len: int, num_hogs: int) -> None
     import os
 
     from sluice import Engine
-    from sluice.model.kernels import cpu_ops
+    from sluice.model.kernels import cpu_ops, pool_wanted
 
     engine = Engine(num_threads=threads, embedding_model_path="none")
     ops = cpu_ops()
@@ -170,7 +170,7 @@ def pool_decode(reps: int, threads: int, output_len: int, num_hogs: int) -> None
                 tok_s, outs[name] = _decode_tps(engine, ids, output_len)
                 tps[name].append(tok_s)
                 cpu_s[name].append((time.process_time() - c0) / output_len * 1e3)
-    ops._pool_enable(True)
+    ops._pool_enable(pool_wanted())  # back to the process's setting (off unless asked)
     for name, what in (("old", "at::parallel_for"), ("new", "sluice pool     ")):
         print(f"{name} ({what}) {statistics.median(tps[name]):6.1f} tok/s "
               f"{[round(t, 1) for t in tps[name]]}; process CPU "

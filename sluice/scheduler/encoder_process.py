@@ -7,6 +7,7 @@ at once with a 400: an encoder cannot generate.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sluice.config import ServerArgs
@@ -18,14 +19,20 @@ from sluice.messages import (
 from sluice.scheduler.loop import ModelLoop, Request, SchedulerCore, abort_output
 from sluice.utils import ipc
 
+logger = logging.getLogger(__name__)
+
 PROCESS_TITLE = "sluice::encoder"
 CANNOT_GENERATE = "this model is an encoder: it embeds or scores, it cannot generate"
 
 
-def run_encoder_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any) -> None:
-    """Entry point of the spawned process: build, report ready (or the error), then loop."""
+def run_encoder_process(
+    args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any, wait_policy: str
+) -> None:
+    """Entry point of the spawned process: build, report ready (or the error), then loop.
+    `wait_policy`: the line that says which OMP_WAIT_POLICY this process runs with."""
 
     def build() -> ModelLoop:
+        logger.info(wait_policy)
         return ModelLoop.bind(EncoderCore.load(args), addrs, args.health_timeout)
 
     ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, build)

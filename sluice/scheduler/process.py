@@ -36,7 +36,7 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
     if is_encoder_model(args.model_path):
         from sluice.scheduler.encoder_process import run_encoder_process
 
-        return run_encoder_process(args, addrs, ready_conn)
+        return run_encoder_process(args, addrs, ready_conn, wait_policy)
 
     def build() -> ModelLoop:
         logger.info(wait_policy)

@@ -15,6 +15,7 @@ from torch import nn
 from sluice.checkpoint.model_config import ModelConfig
 from sluice.model.attention import select_backends
 from sluice.model.forward_batch import ForwardBatch, ForwardOutput
+from sluice.model.fused_decode import install_fused_decode
 from sluice.model.kv_cache import KVCache
 from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
@@ -88,6 +89,7 @@ class ModelRunner:
         self.kv = KVCache(
             kv_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
+        self.fused_decode = install_fused_decode(self.model, self.kv)  # None: per-op path only
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

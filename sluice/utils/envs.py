@@ -43,6 +43,11 @@ ENV_VARS: dict[str, EnvVar] = {
         "activations round them to int8 per block of 32 and use integer dot products (VNNI); 0: "
         "the float path (float32 activations always take it)",
     ),
+    "SLUICE_FUSED_DECODE": EnvVar(
+        "1",
+        "decode steps of up to 8 rows through a model whose linear layers are GGUF blocks run "
+        "all decoder layers in one C++ call (sluice.model.fused_decode); 0: layer by layer",
+    ),
     "SLUICE_CUDA_SDPA": EnvVar(
         "flash,efficient,math",
         "the attention kernels PyTorch's SDPA may choose from on CUDA, comma-separated, of "

@@ -9,7 +9,9 @@ k_pool, v_pool, kv_indices, q_rows, q_lens, scale)` (for the head dims in its
 `silu_and_mul(x)`, `rope_(x, positions, cos, sin, heads, head_dim)` and `small_linear(x, w,
 bias=None)` (up to `small_linear_max_rows` rows, in_features a multiple of
 `small_linear_k_multiple`), for float32 and bfloat16
-tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs.
+tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs. `DecodeLayers`
+runs a llama decoder stack with GGUF block weights over a decode step in one call
+(sluice.model.fused_decode), once `quant_ops()` has handed it its linear layers.
 
 Build cache: `<cache dir>/kernels/<name>-<key>/`, the key a hash of everything the binary
 depends on (the source's bytes, the compiler flags, torch's and Python's versions, the CPU model
@@ -86,6 +88,8 @@ def quant_ops() -> Any | None:
     ops = cpu_ops() if module is not None else None
     if ops is not None and not module._pool_adopt(ops._pool_capsule()):
         logger.warning("the kernel modules' thread pools differ; each keeps its own")
+    if ops is not None and not ops._adopt_quant_linear(module._linear_capsule()):
+        logger.warning("cpu_ops does not take quant_ops' linear layers: no fused decode")
     return module
 
 

@@ -18,7 +18,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 // load_row() splits bfloat16 pairs by the halves of a 32-bit word
@@ -715,6 +720,202 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// A llama-family decoder stack in one call, for decode steps of a few rows (DecodeLayers, built
+// once at load by sluice.model.fused_decode). It runs the per-op path's kernels in the same
+// order on the same values (add + RMSNorm, the qkv linear, rotary, the KV write, decode
+// attention, o_proj, add + RMSNorm, gate_up, SiLU-and-multiply, down; then the final norm), so
+// its output equals that path's bit for bit; what it saves is the Python, pybind and ATen
+// dispatch around each of the ~10 kernels of each layer. The linear layers are GGUF blocks,
+// computed by quant_ops' kernels through the pointer that `_adopt_quant_linear` sets.
+// ---------------------------------------------------------------------------------------------
+using LinearRowsFn = void (*)(const void* x, bool x_bf16, const uint8_t* w, int64_t type,
+                              bool int8_activations, const float* bias, void* y, int64_t M,
+                              int64_t K, int64_t N);
+LinearRowsFn linear_rows = nullptr;
+constexpr const char* LINEAR_ROWS_CAPSULE = "sluice.kernels.linear_rows.v1";  // quant_ops'
+
+struct BlockLinear {  // y [M, N] = x [M, K] w^T, w the blocks of ggml type `type`, no bias
+  at::Tensor w;       // uint8 [N, row bytes], checked against K by QuantLinear when it was made
+  int64_t type = 0, K = 0, N = 0;
+  bool int8_activations = false;
+};
+using BlockLinearArgs = std::tuple<at::Tensor, int64_t, int64_t, bool>;  // w, type, K, int8
+
+BlockLinear block_linear(const BlockLinearArgs& a, int64_t K, int64_t N, const char* what) {
+  const auto& [w, type, k, int8] = a;
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
+              w.is_contiguous(), what, ": contiguous 2-D uint8 blocks");
+  TORCH_CHECK(k == K && (N < 0 || w.size(0) == N), what, ": [", w.size(0), ", ", k,
+              "] does not fit [", N, ", ", K, "]");
+  return BlockLinear{w, type, k, w.size(0), int8};
+}
+
+struct DecoderLayerWeights {
+  at::Tensor input_norm, post_norm;  // [hidden], the activations' dtype
+  BlockLinear qkv, o, gate_up, down;
+  at::Tensor k_pool, v_pool;  // this layer's [slots, Hkv, D] of the KV pool
+};
+
+class DecodeLayers {
+ public:
+  // embed [vocab, hidden] and final_norm [hidden] fix the dtype (float32 or bfloat16);
+  // cos, sin: the rotary tables [max_pos, head_dim / 2] in float32.
+  DecodeLayers(at::Tensor embed, at::Tensor final_norm, at::Tensor cos, at::Tensor sin, double eps,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
+      : embed_(std::move(embed)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
+        sin_(std::move(sin)), eps_(eps), H_(heads), Hkv_(kv_heads), D_(head_dim), scale_(scale) {
+    check_storage(embed_, "embed");
+    TORCH_CHECK(embed_.dim() == 2 && embed_.is_contiguous(), "embed: contiguous [vocab, hidden]");
+    check_vector(final_norm_, "final_norm");
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.dim() == 2 && cos_.is_contiguous() &&
+                sin_.sizes() == cos_.sizes() && sin_.is_contiguous() &&
+                sin_.scalar_type() == at::kFloat && cos_.size(1) * 2 == D_, "bad rotary tables");
+    TORCH_CHECK(H_ >= 1 && Hkv_ >= 1 && H_ % Hkv_ == 0, "heads not a multiple of KV heads");
+    const int64_t dims[] = {16, 32, 64, 80, 96, 128};  // attention_dispatch's
+    TORCH_CHECK(std::find(std::begin(dims), std::end(dims), D_) != std::end(dims), "head_dim ", D_,
+                " is not supported");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const BlockLinearArgs& qkv,
+                 const BlockLinearArgs& o, const BlockLinearArgs& gate_up,
+                 const BlockLinearArgs& down, at::Tensor k_pool, at::Tensor v_pool) {
+    const int64_t hidden = embed_.size(1), qkv_n = (H_ + 2 * Hkv_) * D_;
+    check_vector(input_norm, "input_norm");
+    check_vector(post_norm, "post_norm");
+    DecoderLayerWeights l{std::move(input_norm), std::move(post_norm),
+                          block_linear(qkv, hidden, qkv_n, "qkv"),
+                          block_linear(o, H_ * D_, hidden, "o_proj"),
+                          block_linear(gate_up, hidden, -1, "gate_up"), {}, std::move(k_pool),
+                          std::move(v_pool)};
+    TORCH_CHECK(l.gate_up.N % 2 == 0 && (layers_.empty() || l.gate_up.N == layers_[0].gate_up.N),
+                "gate_up: an even width, the same in every layer");
+    l.down = block_linear(down, l.gate_up.N / 2, hidden, "down_proj");
+    for (const at::Tensor* pool : {&l.k_pool, &l.v_pool})
+      TORCH_CHECK(pool->device().is_cpu() && pool->is_contiguous() &&
+                  pool->scalar_type() == embed_.scalar_type() && pool->dim() == 3 &&
+                  pool->size(1) == Hkv_ && pool->size(2) == D_ &&
+                  pool->size(0) == l.k_pool.size(0), "k_pool, v_pool: [slots, Hkv, D] of x's dtype");
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // The final-norm hidden states [B, hidden] of B decoding tokens: input_ids, positions and
+  // out_cache_loc [B] int64, kv_indices [B, max_kv] int64, seq_lens [B] int64 (each token's
+  // request attends to its first seq_lens[b] slots, this token's own among them).
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
+                     const at::Tensor& out_cache_loc, const at::Tensor& kv_indices,
+                     const at::Tensor& seq_lens) const {
+    TORCH_CHECK(linear_rows != nullptr, "DecodeLayers needs quant_ops' linear (_adopt_quant_linear)");
+    TORCH_CHECK(!layers_.empty(), "DecodeLayers has no layers");
+    check_step(input_ids, positions, out_cache_loc, kv_indices, seq_lens);
+    if (embed_.scalar_type() == at::kFloat)
+      return run<float>(input_ids, positions, out_cache_loc, kv_indices, seq_lens);
+    return run<at::BFloat16>(input_ids, positions, out_cache_loc, kv_indices, seq_lens);
+  }
+
+ private:
+  void check_vector(const at::Tensor& t, const char* what) const {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 1 &&
+                t.size(0) == embed_.size(1) && t.scalar_type() == embed_.scalar_type(), what,
+                ": [hidden], contiguous, of embed's dtype");
+  }
+
+  // Every index the step reads or writes lies in its table: tokens, positions, pool slots.
+  void check_step(const at::Tensor& ids, const at::Tensor& pos, const at::Tensor& loc,
+                  const at::Tensor& kv_indices, const at::Tensor& lens) const {
+    for (const at::Tensor* t : {&ids, &pos, &loc, &kv_indices, &lens})
+      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kLong,
+                  "decode metadata: contiguous int64 CPU tensors");
+    const int64_t B = ids.size(0), slots = layers_[0].k_pool.size(0);
+    TORCH_CHECK(B >= 1 && ids.dim() == 1 && pos.sizes() == ids.sizes() &&
+                loc.sizes() == ids.sizes() && lens.sizes() == ids.sizes() &&
+                kv_indices.dim() == 2 && kv_indices.size(0) == B, "decode metadata: [B] each, "
+                "kv_indices [B, max_kv]");
+    const int64_t max_kv = kv_indices.size(1);
+    const int64_t *ip = ids.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+    const int64_t *lp = loc.data_ptr<int64_t>(), *np = lens.data_ptr<int64_t>();
+    const int64_t* kp = kv_indices.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ip[b] >= 0 && ip[b] < embed_.size(0), "token ", ip[b], " is outside the vocab");
+      TORCH_CHECK(pp[b] >= 0 && pp[b] < cos_.size(0), "position ", pp[b], " is outside the ",
+                  cos_.size(0), " positions of the rotary table");
+      TORCH_CHECK(lp[b] >= 0 && lp[b] < slots, "slot ", lp[b], " is outside the pool");
+      TORCH_CHECK(np[b] >= 1 && np[b] <= max_kv, "request ", b, " sees ", np[b],
+                  " slots; it must see 1 to ", max_kv);
+      for (int64_t l = 0; l < np[b]; ++l)
+        TORCH_CHECK(kp[b * max_kv + l] >= 0 && kp[b * max_kv + l] < slots, "slot ",
+                    kp[b * max_kv + l], " is outside the pool of ", slots);
+    }
+  }
+
+  template <typename T>
+  static void linear(const BlockLinear& l, const at::Tensor& x, at::Tensor& y) {
+    linear_rows(x.data_ptr<T>(), std::is_same_v<T, at::BFloat16>, l.w.data_ptr<uint8_t>(), l.type,
+                l.int8_activations, nullptr, y.data_ptr<T>(), x.size(0), l.K, l.N);
+  }
+
+  // This step's K and V rows (qkv's columns after q) into the layer's pool, as index_copy_.
+  template <typename T>
+  void write_kv(const at::Tensor& qkv, const at::Tensor& loc, const DecoderLayerWeights& l) const {
+    const int64_t B = qkv.size(0), row = Hkv_ * D_, q_size = H_ * D_;
+    const T* src = qkv.data_ptr<T>();
+    const int64_t* slot = loc.data_ptr<int64_t>();
+    T* k = l.k_pool.data_ptr<T>();
+    T* v = l.v_pool.data_ptr<T>();
+    for (int64_t b = 0; b < B; ++b) {
+      const T* r = src + b * qkv.size(1) + q_size;
+      std::memcpy(k + slot[b] * row, r, row * sizeof(T));
+      std::memcpy(v + slot[b] * row, r + row, row * sizeof(T));
+    }
+  }
+
+  template <typename T>
+  at::Tensor run(const at::Tensor& ids, const at::Tensor& pos, const at::Tensor& loc,
+                 const at::Tensor& kv_indices, const at::Tensor& lens) const {
+    const int64_t B = ids.size(0), hidden = embed_.size(1), q_size = H_ * D_;
+    const int64_t inter = layers_[0].gate_up.N / 2;
+    const auto opt = embed_.options();
+    // x: the layer's input norm, then its attention output's; residual: the residual stream
+    at::Tensor x = at::empty({B, hidden}, opt), residual = at::empty({B, hidden}, opt);
+    at::Tensor qkv = at::empty({B, q_size + 2 * Hkv_ * D_}, opt);
+    at::Tensor q = at::empty({B, H_, D_}, opt), attn = at::empty({B, H_, D_}, opt);
+    at::Tensor gate_up = at::empty({B, 2 * inter}, opt), act = at::empty({B, inter}, opt);
+    at::Tensor attn_rows = attn.view({B, q_size});
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)  // the embeddings start the residual stream
+      std::memcpy(residual.data_ptr<T>() + b * hidden, embed_.data_ptr<T>() + ip[b] * hidden,
+                  hidden * sizeof(T));
+    std::memcpy(x.data_ptr<T>(), residual.data_ptr<T>(), B * hidden * sizeof(T));
+    add_rms_norm_impl<T>(x, nullptr, layers_[0].input_norm, eps_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecoderLayerWeights& l = layers_[i];
+      if (i > 0) add_rms_norm_impl<T>(x, &residual, l.input_norm, eps_);  // x: the MLP's output
+      linear<T>(l.qkv, x, qkv);
+      rope_impl<T>(qkv, pos, cos_, sin_, H_ + Hkv_, D_);
+      write_kv<T>(qkv, loc, l);
+      for (int64_t b = 0; b < B; ++b)  // q's part of each row, as q.contiguous()
+        std::memcpy(q.data_ptr<T>() + b * q_size, qkv.data_ptr<T>() + b * qkv.size(1),
+                    q_size * sizeof(T));
+      attention_dispatch<T>(q, l.k_pool, l.v_pool, kv_indices, nullptr, lens, attn, scale_);
+      linear<T>(l.o, attn_rows, x);
+      add_rms_norm_impl<T>(x, &residual, l.post_norm, eps_);
+      linear<T>(l.gate_up, x, gate_up);
+      silu_and_mul_impl<T>(gate_up, act);
+      linear<T>(l.down, act, x);
+    }
+    add_rms_norm_impl<T>(x, &residual, final_norm_, eps_);
+    return x;
+  }
+
+  at::Tensor embed_, final_norm_, cos_, sin_;
+  double eps_;
+  int64_t H_, Hkv_, D_;
+  double scale_;
+  std::vector<DecoderLayerWeights> layers_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -730,4 +931,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("small_linear_k_multiple") = SMALL_LINEAR_K_MULTIPLE;
   m.def("small_linear", &small_linear, pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("bias") = pybind11::none());
+  // quant_ops' `_linear_capsule()`: the linear layers of DecodeLayers; false if it does not fit
+  m.def("_adopt_quant_linear", [](const pybind11::capsule& c) {
+    if (std::string(c.name() ? c.name() : "") != LINEAR_ROWS_CAPSULE) return false;
+    linear_rows = *static_cast<const LinearRowsFn*>(c.get_pointer());
+    return true;
+  });
+  m.def("_has_quant_linear", [] { return linear_rows != nullptr; });
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t,
+                          int64_t, double>(),
+           pybind11::arg("embed"), pybind11::arg("final_norm"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("eps"), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"))
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
+      .def("forward", &DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

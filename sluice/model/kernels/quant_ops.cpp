@@ -900,6 +900,27 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type,
   return y;
 }
 
+// quant_linear on raw rows, for the decoder layers of cpu_ops.cpp (`decode_layers`), which
+// get it through `_linear_capsule()`: x [M, K] float32 or bfloat16 (x_bf16), y [M, N] of x's
+// dtype, bias float32 [N] or null; the same paths and results as quant_linear for the same x.
+void linear_rows(const void* x, bool x_bf16, const uint8_t* w, int64_t type, bool int8_activations,
+                 const float* bias, void* y, int64_t M, int64_t K, int64_t N) {
+  if (M == 0) return;
+  if (!x_bf16) {
+    gemm_dispatch(type, static_cast<const float*>(x), w, bias, static_cast<float*>(y), M, K, N);
+    return;
+  }
+  const auto* xb = static_cast<const at::BFloat16*>(x);
+  auto* yb = static_cast<at::BFloat16*>(y);
+  if (int8_activations && has_int8_path(type)) return igemm_bf16(type, xb, w, bias, yb, M, K, N);
+  std::vector<float> xf(M * K);  // exact: as x.to(float32)
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
+  gemm_dispatch(type, xf.data(), w, bias, yb, M, K, N);
+}
+using LinearRowsFn = void (*)(const void*, bool, const uint8_t*, int64_t, bool, const float*,
+                              void*, int64_t, int64_t, int64_t);
+constexpr LinearRowsFn LINEAR_ROWS = &linear_rows;
+
 template <int64_t T, typename Out>
 void dequantize_impl(const uint8_t* w, Out* y, int64_t K, int64_t N) {
   constexpr int64_t BV = block_values(T), BB = block_bytes(T);
@@ -1191,6 +1212,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"),
         pybind11::arg("dtype"));
   m.def("repack", &repack, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"));
+  // the pointer to linear_rows, for cpu_ops' `_adopt_quant_linear` (its signature is the name)
+  m.def("_linear_capsule", [] {
+    return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&LINEAR_ROWS)),
+                             "sluice.kernels.linear_rows.v1");
+  });
 #if defined(SLUICE_PACKED_GEMM)
   m.attr("packed_gemm") = true;  // for the types repack takes
   m.attr("packed_types") = pybind11::make_tuple(int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0});

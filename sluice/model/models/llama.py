@@ -87,6 +87,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # decode steps of a few rows in one C++ call (sluice.model.fused_decode; set by the runner
+    # where it can take them): the same hidden states as the layers below, less glue
+    fused_decode: Any | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -103,6 +107,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """`input_embeds` [T, hidden]: the inputs in place of `embed_tokens(fb.input_ids)` (a
         vision-language model's, with its image features in the placeholder rows)."""
+        fused = self.fused_decode
+        if fused is not None and input_embeds is None and fused.supports(fb, kv):
+            return fused.forward(fb)
         x = self.embed_tokens(fb.input_ids) if input_embeds is None else input_embeds
         residual = None  # x: [T, hidden]
         for layer in self.layers:

@@ -1,0 +1,135 @@
+"""FusedDecode: a decode step of a few rows through a llama decoder stack in one C++ call.
+
+The per-op path (`LlamaModel.forward`) runs about ten kernels a layer, each behind
+`nn.Module.__call__`, pybind and ATen's dispatch; at one row that glue costs about as much as the
+kernels. `DecodeLayers` (cpu_ops.cpp) runs the same kernels in the same order on the same values
+for all layers and the final norm at once, so its hidden states equal the per-op path's bit for
+bit. The LM head, sampling and everything else stay as they are.
+
+It is built once at load (`install_fused_decode`), holding every layer's weight handles and KV
+pool tensors, when the model is a llama stack whose linear layers are all GGUF blocks (one type a
+layer, no bias) on sluice's CPU kernels; otherwise the model keeps the per-op path alone, and the
+log says why. Per batch it takes decode steps of 1 to `max_rows` rows over its own KV cache
+(`supports`); every other batch (prefill, extend, more rows, another cache, a vision model's input
+embeddings) takes the per-op path. SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it
+off in place (benchmarks/decode_step.py compares the two in one process).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from sluice.model.attention import CpuKernelAttention
+from sluice.model.forward_batch import ForwardBatch, ForwardMode
+from sluice.model.kv_cache import KVCache
+from sluice.model.models.llama import LlamaModel
+from sluice.model.quant import QuantLinear
+from sluice.utils import envs
+
+logger = logging.getLogger(__name__)
+
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class FusedDecode:
+    """The decode steps of `model` over `kv` in one call each (`forward`); `steps` counts them."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, ops: Any) -> None:
+        first = model.layers[0].self_attn
+        rope = first.rope
+        self.kv = kv
+        self.max_rows = _max_rows(model)
+        self.enabled = True
+        self.steps = 0
+        self.layers = ops.DecodeLayers(
+            model.embed_tokens.weight.detach(), model.norm.weight.detach(), rope.cos, rope.sin,
+            model.norm.eps, first.num_heads, first.num_kv_heads, first.head_dim,
+            first.attn.layer.scale,
+        )  # fmt: skip
+        for i, layer in enumerate(model.layers):
+            linears = [_block_args(layer.get_submodule(name)) for name in _LINEARS]
+            self.layers.add_layer(
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(), *linears, kv.k[i], kv.v[i],
+            )  # fmt: skip
+
+    def supports(self, fb: ForwardBatch, kv: KVCache) -> bool:
+        return (
+            self.enabled
+            and fb.mode == ForwardMode.DECODE
+            and 1 <= fb.batch_size <= self.max_rows
+            and kv is self.kv
+        )
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """The final-norm hidden states [B, hidden] of the batch's tokens, each token's K/V
+        written into the cache as the per-op path writes them."""
+        self.steps += 1
+        return self.layers.forward(
+            fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(), fb.seq_lens
+        )
+
+
+def install_fused_decode(model: nn.Module, kv: KVCache) -> FusedDecode | None:
+    """Give `model`'s llama stack (its own, or a vision-language model's language model's) a
+    FusedDecode over `kv` where it can take one; returns it, or None (the reason logged)."""
+    text_model = getattr(model, "language_model", model)
+    stack = getattr(text_model, "model", None)
+    if not isinstance(stack, LlamaModel):
+        return None
+    reason = why_not_fused(stack, kv)
+    if reason is not None:
+        logger.info("fused decode: off (%s)", reason)
+        return None
+    from sluice.model.kernels import cpu_ops
+
+    stack.fused_decode = FusedDecode(stack, kv, cpu_ops())
+    logger.info(
+        "fused decode: decode steps of 1 to %d rows run all %d layers in one C++ call",
+        stack.fused_decode.max_rows, len(stack.layers),
+    )  # fmt: skip
+    return stack.fused_decode
+
+
+def why_not_fused(stack: LlamaModel, kv: KVCache) -> str | None:
+    """Why `stack` cannot take the fused path, or None when it can."""
+    if not envs.get_bool("SLUICE_FUSED_DECODE"):
+        return "SLUICE_FUSED_DECODE=0"
+    ops = stack.norm.cpu_ops
+    if ops is None or not hasattr(ops, "DecodeLayers") or not ops._has_quant_linear():
+        return "sluice's CPU kernels, with quant_ops' linear layers, are not in use"
+    weight = stack.embed_tokens.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"the model is {weight.dtype} on {weight.device}, not float32/bfloat16 on the CPU"
+    for layer in stack.layers:
+        attn = layer.self_attn
+        if not isinstance(attn.attn.backends[0], CpuKernelAttention):
+            return f"attention is not sluice's kernel (head_dim {attn.head_dim})"
+        if layer.mlp.cpu_ops is None or attn.rope.cpu_ops is None:
+            return "the MLP or the rotary embedding does not use sluice's kernels"
+        for name in _LINEARS:
+            module = layer.get_submodule(name)
+            if not isinstance(module, QuantLinear) or module.bias is not None:
+                return f"{name} is {type(module).__name__}, not GGUF blocks of one type, no bias"
+    if len(kv.k) != len(stack.layers) or kv.k[0].dtype != weight.dtype:
+        return "the KV cache does not match the model"
+    return None
+
+
+def _max_rows(stack: LlamaModel) -> int:
+    """Rows every linear layer computes with its block kernel (more go to a dense copy)."""
+    rows = QuantLinear.KERNEL_MAX_ROWS
+    for layer in stack.layers:
+        for name in _LINEARS:
+            module = layer.get_submodule(name)
+            if module.dense is not None or module.packed is not None:
+                rows = min(rows, module.dense_min_rows - 1)
+    return rows
+
+
+def _block_args(module: QuantLinear) -> tuple[torch.Tensor, int, int, bool]:
+    return module.qweight, module.qtype, module.in_features, module.int8_activations

@@ -1,0 +1,160 @@
+"""The fused decode path (sluice.model.fused_decode, cpu_ops.cpp's DecodeLayers) against the
+per-op path it stands in for, and where it is and is not taken.
+
+DecodeLayers runs the per-op path's own kernels in the same order on the same values, so the two
+paths' logits are compared for equality, not closeness: in float32 and in bfloat16 (where the
+linear layers take the integer path), with Q4_1 and Q8_0 blocks, over a prefill and several
+decode steps of two requests of different lengths, each step run by both paths on the same KV
+state; then through the Engine on the default SmolLM2 GGUF, greedy tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.checkpoint.model_config import ModelConfig
+from sluice.model.forward_batch import ForwardBatch, ForwardMode
+from sluice.model.fused_decode import FusedDecode, why_not_fused
+from sluice.model.kernels import quant_ops
+from sluice.model.kv_cache import KVCache
+from sluice.model.runner import ModelRunner
+
+CPU = torch.device("cpu")
+PROMPTS = [[101, 102, 103, 104, 105], [201, 202, 203]]
+SLOTS_PER_REQ = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if quant_ops() is None:
+        pytest.skip("the quantized-weight kernels did not build here")
+
+
+def _runner(model_dir: str, dtype: torch.dtype, quantization: str) -> ModelRunner:
+    cfg = ModelConfig.from_hf_dir(model_dir)
+    return ModelRunner(cfg, CPU, dtype, kv_size=10 * SLOTS_PER_REQ, quantization=quantization)
+
+
+def _batch(mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]) -> ForwardBatch:
+    """Request b's tokens at positions prefix_lens[b].., in its own slots 1 + b * 32 + position."""
+    num = len(tokens)
+    req_to_token = 1 + torch.arange(num * SLOTS_PER_REQ).view(num, SLOTS_PER_REQ)
+    extend = [len(t) for t in tokens]
+    loc = torch.cat(
+        [
+            req_to_token[b, p : p + e]
+            for b, (p, e) in enumerate(zip(prefix_lens, extend, strict=True))
+        ]
+    )
+    last = torch.cumsum(torch.tensor(extend), 0) - 1
+    return ForwardBatch.build(
+        mode, [t for ts in tokens for t in ts], prefix_lens, extend, loc, req_to_token,
+        list(range(num)), last.tolist(), CPU,
+    )  # fmt: skip
+
+
+def _decode_both_ways(runner: ModelRunner, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fused logits, per-op logits) of each decode step after a prefill of PROMPTS; each step
+    runs fused first, then per-op over the same slots, and feeds on the per-op path's argmax."""
+    fused = runner.fused_decode
+    logits = runner.forward(_batch(ForwardMode.EXTEND, PROMPTS, [0, 0]))
+    lens = [len(p) for p in PROMPTS]
+    pairs = []
+    for _ in range(steps):
+        tokens = [[t] for t in logits.argmax(-1).tolist()]
+        fb = _batch(ForwardMode.DECODE, tokens, lens)
+        fused.enabled = True
+        with_fused = runner.forward(fb)
+        fused.enabled = False
+        logits = runner.forward(fb)
+        pairs.append((with_fused, logits))
+        lens = [n + 1 for n in lens]
+    fused.enabled = True
+    return pairs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])  # Q4_1, Q8_0 blocks
+def test_fused_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, dtype, quantization) -> None:
+    runner = _runner(tiny_llama_dir, dtype, quantization)
+    fused = runner.fused_decode
+    assert isinstance(fused, FusedDecode) and fused.max_rows == 8
+    pairs = _decode_both_ways(runner, steps=6)
+    assert fused.steps == 6  # the decode steps it was enabled for, not the prefill
+    for with_fused, per_op in pairs:
+        assert with_fused.dtype == torch.float32 and with_fused.shape == per_op.shape
+        assert torch.equal(with_fused, per_op)
+    assert len({tuple(p.argmax(-1).tolist()) for _, p in pairs}) > 1  # the tokens move on
+
+
+def test_fused_decode_is_not_taken_where_it_must_not_be(tiny_llama_dir) -> None:
+    runner = _runner(tiny_llama_dir, torch.bfloat16, "int4")
+    fused = runner.fused_decode
+    stack = runner.model.model
+    decode = _batch(ForwardMode.DECODE, [[7]] * 9, [0] * 9)  # one row more than the kernel's
+    assert not fused.supports(decode, runner.kv)
+    runner.forward(decode)
+    small = _batch(ForwardMode.DECODE, [[7], [8]], [0, 0])
+    assert fused.supports(small, runner.kv)
+    other_kv = KVCache(64, len(stack.layers), 2, 16, torch.bfloat16, CPU)
+    assert not fused.supports(small, other_kv)
+    embeds = stack.embed_tokens(small.input_ids)
+    with torch.inference_mode():
+        stack(small, runner.kv, input_embeds=embeds)  # a vision model's way in
+        runner.forward(_batch(ForwardMode.EXTEND, [[7, 8, 9]], [0]))
+    assert fused.steps == 0
+    runner.forward(small)
+    assert fused.steps == 1
+
+
+def test_no_fused_decode_without_blocks_biases_or_the_switch(
+    tiny_llama_dir, tiny_qwen2_dir, monkeypatch
+) -> None:
+    assert _runner(tiny_llama_dir, torch.float32, "none").fused_decode is None
+    qwen2 = _runner(tiny_qwen2_dir, torch.float32, "int4")  # q/k/v biases
+    assert qwen2.fused_decode is None
+    assert "no bias" in why_not_fused(qwen2.model.model, qwen2.kv)
+    monkeypatch.setenv("SLUICE_FUSED_DECODE", "0")
+    assert _runner(tiny_llama_dir, torch.float32, "int4").fused_decode is None
+
+
+def test_fused_decode_checks_the_step_before_writing_anything(tiny_llama_dir) -> None:
+    runner = _runner(tiny_llama_dir, torch.float32, "int8")
+    fb = _batch(ForwardMode.DECODE, [[7]], [3])
+    pools = [k.clone() for k in runner.kv.k]
+    bad_slot = fb.out_cache_loc.clone().fill_(10**6)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        runner.fused_decode.layers.forward(
+            fb.input_ids, fb.positions, bad_slot, fb.kv_indices, fb.seq_lens
+        )
+    with pytest.raises(RuntimeError, match="outside the vocab"):
+        runner.fused_decode.layers.forward(
+            fb.input_ids + 10**6, fb.positions, fb.out_cache_loc, fb.kv_indices, fb.seq_lens
+        )
+    assert all(torch.equal(a, b) for a, b in zip(pools, runner.kv.k, strict=True))
+
+
+def test_engine_tokens_and_logprobs_fused_or_not_on_the_default_model(smollm2_gguf) -> None:
+    from sluice import Engine
+
+    engine = Engine(
+        smollm2_gguf, dtype="bfloat16", quantization="gguf", embedding_model_path="none",
+        max_total_tokens=8192, num_threads=2,
+    )  # fmt: skip
+    fused = engine.scheduler.runner.fused_decode
+    assert fused is not None and fused.max_rows == 8
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    prompts = ["The river ran quietly beneath", "Write a haiku about the sea"]
+    results = {}
+    for on in (True, False):
+        fused.enabled = on
+        steps = fused.steps
+        engine.scheduler.flush_cache()  # both runs prefill the whole prompts
+        outs = engine.generate(prompts, params, return_logprob=True)
+        results[on] = [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+        taken = fused.steps - steps
+        assert taken >= 11 if on else taken == 0  # 11 decode steps of the 2 requests, or more
+    engine.shutdown()
+    assert results[True] == results[False]
+    assert len(results[True][0][0]) == 12

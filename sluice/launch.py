@@ -5,8 +5,9 @@ start-up handshakes, and yields a TokenizerManager wired to them; a watchdog tas
 child within WATCHDOG_INTERVAL_S. `launch_server` adds the HTTP server (uvicorn) in this process.
 
 With --tokenizer-worker-num N > 1 this process is HTTP worker 0 and `ServingProcesses` also
-spawns workers 1..N-1 (`server/http_worker.py`) once the model processes are ready; they are
-children like the others. A signal here drains every worker (relayed as PeerDrain), one that
+spawns workers 1..N-1 (`server/http_worker.py`) beside the model processes: each imports and
+loads its tokenizer while the model loads, and gets the model processes' handshakes on its start
+pipe once they are ready; they are children like the others. A signal here drains every worker (relayed as PeerDrain), one that
 comes before uvicorn's handlers are installed too; the watchdog keeps watching while the other
 workers drain.
 
@@ -63,6 +64,11 @@ class _Child:
     process: mp.process.BaseProcess
     ready_conn: multiprocessing.connection.Connection  # the parent's read end
     is_ready: bool = False  # its handshake was read
+    start_conn: multiprocessing.connection.Connection | None = None  # an HTTP worker's: write end
+
+    @property
+    def is_worker(self) -> bool:
+        return self.start_conn is not None
 
 
 class ServingProcesses:
@@ -174,29 +180,39 @@ class ServingProcesses:
                 self.addrs,
             )  # fmt: skip
         self._spawn_encoders(ctx)
+        self._spawn_workers(ctx, cfg)
         tokenizer = None if main_is_encoder else get_tokenizer(cfg.hf_dir)  # while they start
-        ready = self._wait_ready()
+        ready = self._wait_ready(workers=False)
         self._start_embedders(ready)
         info = None if main_is_encoder else ready["scheduler"].info
-        self._spawn_workers(ctx, cfg, info)
+        self._start_workers(info)
         return cfg, tokenizer, info
 
-    def _spawn_workers(self, ctx: Any, cfg: Any, info: ModelInfo | None) -> None:
-        """HTTP workers 1..N-1 (--tokenizer-worker-num), once the model processes are ready;
-        returns when each listens."""
+    def _spawn_workers(self, ctx: Any, cfg: Any) -> None:
+        """HTTP workers 1..N-1 (--tokenizer-worker-num), beside the model processes: each
+        waits on its start pipe for their handshakes (`_start_workers`)."""
         assert self.addrs is not None
-        if self._abandoned:
-            return
         for index in range(1, self.args.tokenizer_worker_num):
+            start_reader, start_writer = ctx.Pipe(duplex=False)
             # not daemonic: a worker's media pool starts processes of its own, which a daemonic
             # process may not; _stop_children ends it like the others
             self._spawn(
-                ctx, f"http-{index}", run_http_worker, index, self.args, cfg, info, self.addrs,
-                self._encoders, self._encoder_infos, daemon=False,
+                ctx, f"http-{index}", run_http_worker, index, self.args, cfg, self.addrs,
+                self._encoders, start_reader, daemon=False,
             )  # fmt: skip
-        if self.args.tokenizer_worker_num > 1:
-            self._wait_ready()
-            logger.info("%d HTTP workers", self.args.tokenizer_worker_num)
+            start_reader.close()  # the worker holds the only read end
+            self._children[-1].start_conn = start_writer
+
+    def _start_workers(self, info: ModelInfo | None) -> None:
+        """Send each HTTP worker the model processes' handshakes; returns when each listens."""
+        workers = [c for c in self._children if c.is_worker]
+        if self._abandoned or not workers:
+            return
+        for child in workers:
+            assert child.start_conn is not None
+            child.start_conn.send((info, self._encoder_infos))
+        self._wait_ready(workers=True)
+        logger.info("%d HTTP workers", self.args.tokenizer_worker_num)
 
     def _spawn_encoders(self, ctx: Any) -> None:
         """One scheduler process per extra encoder model (embedding, rerank)."""
@@ -229,9 +245,12 @@ class ServingProcesses:
         writer.close()  # the child holds the only write end: its death reads as EOF here
         self._children.append(_Child(name, process, reader))
 
-    def _wait_ready(self) -> dict[str, ReadyMsg]:
-        """The handshakes of the children that have not sent theirs yet."""
-        pending = {c.ready_conn: c for c in self._children if not c.is_ready}
+    def _wait_ready(self, workers: bool) -> dict[str, ReadyMsg]:
+        """The handshakes of the HTTP workers (`workers`) or of the model processes (not
+        `workers`) that have not sent theirs yet."""
+        pending = {
+            c.ready_conn: c for c in self._children if not c.is_ready and c.is_worker == workers
+        }
         ready: dict[str, ReadyMsg] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while pending:
@@ -279,6 +298,8 @@ class ServingProcesses:
                 child.process.join(1.0)
             logger.info("the %s process exited with code %s", child.name, child.process.exitcode)
             child.ready_conn.close()
+            if child.start_conn is not None:
+                child.start_conn.close()
         if self.addrs is not None:
             self.addrs.remove()
         for spec in self._encoders:

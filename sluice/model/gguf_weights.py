@@ -92,26 +92,24 @@ def install_quantized(model: nn.Module, cfg: ModelConfig, ops: Any) -> Quantized
 
 def _read_groups(cfg: ModelConfig) -> dict[str, list[BlockTensor]]:
     """module name -> its GGUF tensors in slice order, for the 2-D weights of the file."""
-    import gguf
+    from sluice.checkpoint.gguf_tensors import read_gguf_tensors
 
-    reader = gguf.GGUFReader(cfg.source_path)
-    names = {t.name for t in reader.tensors}
+    tensors = read_gguf_tensors(cfg.source_path)
+    names = {t.name for t in tensors}
     groups: dict[str, list[BlockTensor]] = {}
-    for t in reader.tensors:
+    for t in tensors:
         module, kind = _module_of(t.name, cfg.tie_word_embeddings and "output.weight" not in names)
         if module is None:
             continue
-        in_features, rows = (int(d) for d in t.shape)  # GGUF lists the fastest dim first
+        in_features, rows = t.shape  # GGUF lists the fastest dim first
         blocks = np.empty((0, 0), np.uint8)  # other types: not read, the module stays float
-        if int(t.tensor_type) in BLOCK_TYPES:
-            blocks = np.array(t.data).reshape(rows, -1)  # a copy: the reader's memmap closes
+        if t.tensor_type in BLOCK_TYPES:
+            blocks = np.array(t.data).reshape(rows, -1)  # a copy: the file's memmap closes
             if kind == "attn_q":
                 blocks = _unpermute_rope_rows(blocks, cfg.num_attention_heads)
             elif kind == "attn_k":
                 blocks = _unpermute_rope_rows(blocks, cfg.num_key_value_heads)
-        groups.setdefault(module, []).append(
-            BlockTensor(kind, int(t.tensor_type), in_features, blocks)
-        )
+        groups.setdefault(module, []).append(BlockTensor(kind, t.tensor_type, in_features, blocks))
     for parts in groups.values():
         parts.sort(key=lambda p: _PART_ORDER.index(p.kind) if p.kind in _PART_ORDER else 0)
     return groups

@@ -288,7 +288,6 @@ def _why_not_kernels(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def linear_types(gguf_path: str) -> set[int]:
     """The ggml type ids of a GGUF's 2-D weights."""
-    import gguf
+    from sluice.checkpoint.gguf_tensors import read_gguf_tensors
 
-    reader = gguf.GGUFReader(gguf_path)
-    return {int(t.tensor_type) for t in reader.tensors if len(t.shape) == 2}
+    return {t.tensor_type for t in read_gguf_tensors(gguf_path) if len(t.shape) == 2}

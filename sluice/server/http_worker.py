@@ -77,14 +77,16 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 
 def run_http_worker(
-    index: int, args: ServerArgs, cfg: Any, info: ModelInfo | None, addrs: ipc.IpcAddrs,
-    encoders: list[EncoderSpec], encoder_infos: list[ModelInfo], ready_conn: Any,
+    index: int, args: ServerArgs, cfg: Any, addrs: ipc.IpcAddrs, encoders: list[EncoderSpec],
+    start_conn: Any, ready_conn: Any,
 ) -> None:  # fmt: skip
-    """Entry point of the spawned worker `index`: serve until told to stop."""
+    """Entry point of the spawned worker `index`: serve until told to stop. It is spawned
+    beside the model processes; `start_conn` brings their handshakes, (the main model's info or
+    None, the encoders' infos), once they are ready."""
     title = f"sluice::http-{index}"
     ipc.setup_child_process(title, args.log_level)
     ipc.exit_on_stop_signal()
-    worker = _Worker(index, args, cfg, info, addrs, encoders, encoder_infos)
+    worker = _Worker(index, args, cfg, addrs, encoders, start_conn)
     try:
         asyncio.run(worker.serve(ready_conn))
     except BaseException:
@@ -105,12 +107,14 @@ class _Worker:
         from sluice.server.peers import Peers
         from sluice.server.shutdown import GracefulShutdown
 
-        cfg, info, addrs, encoders, encoder_infos = self.start
+        cfg, addrs, encoders, start_conn = self.start
         tokenizer = None
-        if not isinstance(cfg, EncoderConfig):
+        if not isinstance(cfg, EncoderConfig):  # loaded while the model processes start
             from sluice.utils.tokenizer import get_tokenizer
 
             tokenizer = await asyncio.to_thread(get_tokenizer, cfg.hf_dir)
+        info, encoder_infos = await asyncio.to_thread(start_conn.recv)
+        start_conn.close()
         args = self.args
         tm, embedders = start_managers(
             args, cfg, tokenizer, addrs, info, encoders, encoder_infos, self.index

@@ -1,4 +1,5 @@
-"""A fake TokenizerManager for unit tests of the HTTP layer, and an app client around it.
+"""A fake TokenizerManager for unit tests of the HTTP layer, and an app client around it; and
+`default_chat`, one real default chat server shared by the end-to-end files that only read.
 
 The fake "generates" a fixed script of tokens per (prompt, sample) index, interleaving indexes
 when streaming, and records every request it got and every generator it had closed.
@@ -7,7 +8,7 @@ when streaming, and records every request it got and every generator it had clos
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi.testclient import TestClient
 from sluice.config import ServerArgs
 from sluice.server.app import create_app
 from sluice.tokenizer.generate_input import GenerateReqInput
+from tests.server.live_server import LiveServer, default_chat_server
 
 # token id -> text; ids 0..3 are special
 VOCAB = [
@@ -208,3 +210,13 @@ def make_client(fake_tm: FakeTokenizerManager) -> Callable[..., TestClient]:
 @pytest.fixture
 def client(make_client: Callable[..., TestClient]) -> TestClient:
     return make_client()
+
+
+@pytest.fixture(scope="session")
+def default_chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """`default_chat_server`, started once for the session. Its users only send requests: none
+    pauses, flushes, stops it or counts metrics, and each file's last test asserts the server
+    idle with nothing left behind (so the next file finds it as a fresh one, its prefix cache
+    aside)."""
+    with default_chat_server(tmp_path_factory, "default_chat") as srv:
+        yield srv

@@ -1,7 +1,8 @@
 """The real server (all processes) through the official `openai` SDK and raw HTTP.
 
-One server for the module, started as `python -m sluice serve` on a free port; the last test
-checks that it is idle with every KV slot free or cached and no request state left behind.
+The session's shared default chat server (`default_chat`, tests/server/conftest.py), a real
+`python -m sluice serve` on a free port; the last test checks that it is idle with every KV slot
+free or cached and no request state left behind.
 """
 
 from __future__ import annotations
@@ -9,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
 
-from tests.server.live_server import running_server
+from tests.server.live_server import LiveServer
 
 pytest.importorskip("sluice.launch", reason="sluice.launch is not there yet")
 openai = pytest.importorskip("openai")
@@ -25,13 +25,10 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer b
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    # float32: greedy texts are compared across batch shapes (32 concurrent streams)
-    args = ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning",
-            "--no-embedding-model", "--dtype", "float32"]  # fmt: skip
-    log = tmp_path_factory.mktemp("e2e_openai") / "server.log"
-    with running_server(None, args, log, num_threads=None) as srv:
-        yield srv.base
+def server(default_chat: LiveServer) -> str:
+    """The shared default chat server: float32 (greedy texts are compared across batch shapes,
+    32 concurrent streams), a MAX_TOTAL_TOKENS pool, no embedding model."""
+    return default_chat.base
 
 
 @pytest.fixture(scope="module")

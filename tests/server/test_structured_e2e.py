@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from tests.server.live_server import LiveServer, assert_no_state_left, default_chat_server
+from tests.server.live_server import LiveServer, assert_no_state_left
 
 openai = pytest.importorskip("openai")
 
@@ -35,9 +34,8 @@ ASK = [{"role": "user", "content": "Describe a person who lives in a big city, a
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with default_chat_server(tmp_path_factory, "structured") as srv:
-        yield srv
+def live(default_chat: LiveServer) -> LiveServer:
+    return default_chat
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,13 @@ the calls are there and their arguments follow the function's schema whatever th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.live_server import LiveServer, assert_no_state_left, default_chat_server
+from tests.server.live_server import LiveServer, assert_no_state_left
 
 openai = pytest.importorskip("openai")
 
@@ -41,9 +40,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with default_chat_server(tmp_path_factory, "tools") as srv:
-        yield srv
+def live(default_chat: LiveServer) -> LiveServer:
+    return default_chat
 
 
 @pytest.fixture(scope="module")

@@ -52,8 +52,10 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """Two workers, with the default embedding model (an encoder routed per worker too)."""
-    with _server(tmp_path_factory, "workers_2", ["--tokenizer-worker-num", "2"]) as srv:
+    """Two workers, with the default embedding model (an encoder routed per worker too); the
+    long drain lets the last test abort a request in flight during it."""
+    args = ["--tokenizer-worker-num", "2", "--shutdown-timeout", "300"]
+    with _server(tmp_path_factory, "workers_2", args) as srv:
         yield srv
 
 
@@ -414,89 +416,72 @@ def _assert_all_gone(procs: list[psutil.Process]) -> None:
     assert not alive, [p.cmdline() for p in alive]
 
 
-def test_a_dead_worker_fails_the_server_with_503_and_no_orphans(
-    tmp_path_factory: pytest.TempPathFactory,
+def test_a_dead_worker_fails_the_server_with_503_and_no_orphans(three: LiveServer) -> None:
+    """Worker 1 killed with a request held on worker 2: worker 2 is told and answers 503, the
+    server exits 1, nothing is left. This ends the module's `three`: it comes after every other
+    test of it."""
+    procs = _tree(three)
+    assert len([p for p in procs if "sluice::http-" in " ".join(p.cmdline())]) == 2
+
+    async def go() -> httpx.Response:
+        client, _ = await _aclient_on(three.base, lambda w: w == 2)
+        async with contextlib.aclosing(client):
+            await set_paused(client, True)
+            body = {"prompt": "Tell me a long story.", **HOLD}
+            call = asyncio.create_task(client.post("/v1/completions", json=body))
+            await _waiting(three, 1)
+            three.child("sluice::http-1").kill()
+            return await call
+
+    resp = asyncio.run(go())
+    assert resp.status_code == 503, resp.text
+    assert three.proc.wait(20) == 1
+    _assert_all_gone(procs)
+    assert "the http-1 process died" in three.log.read_text()
+
+
+def test_sigterm_drains_every_worker_and_a_fan_out_does_not_wait_for_one_that_left(
+    two: LiveServer,
 ) -> None:
-    args = ["--tokenizer-worker-num", "3", "--no-embedding-model"]
-    with _server(tmp_path_factory, "workers_death", args) as srv:
-        procs = _tree(srv)
-        assert len([p for p in procs if "sluice::http-" in " ".join(p.cmdline())]) == 2
+    """SIGTERM with a request on each worker, paused in place (the drain continues a paused
+    server): worker 1's finishes whole (200, its 16 tokens), then worker 1, with nothing left in
+    flight, ends its drain and exits (announcing it); /get_server_info and an abort by rid of
+    worker 0's long request, each a fan-out through worker 0, then answer without waiting out
+    the 10 s a silent worker would cost; the server exits 0 and leaves nothing. This ends the
+    module's `two`: it comes after every other test of it."""
+    procs = _tree(two)
+    worker_1 = next(p for p in procs if "sluice::http-1" in " ".join(p.cmdline()))
 
-        async def go() -> httpx.Response:
-            client, _ = await _aclient_on(srv.base, lambda w: w == 2)
-            async with contextlib.aclosing(client):
-                await set_paused(client, True)
-                body = {"prompt": "Tell me a long story.", **HOLD}
-                call = asyncio.create_task(client.post("/v1/completions", json=body))
-                await _waiting(srv, 1)
-                srv.child("sluice::http-1").kill()
-                return await call
+    async def go() -> tuple[httpx.Response, float, dict[str, Any], float, dict[str, Any], Any]:
+        client, _ = await _aclient_on(two.base, lambda w: w == 0)
+        other, _ = await _aclient_on(two.base, lambda w: w == 1)
+        async with contextlib.aclosing(client), contextlib.aclosing(other):
+            await set_paused(client, True)  # into the queue first; the drain continues them
+            body = {"text": "Tell me a long story.", "rid": "long", "sampling_params": HELD}
+            held = asyncio.create_task(client.post("/generate", json=body))
+            await _waiting(two, 1)
+            body = {"prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
+            short = asyncio.create_task(other.post("/v1/completions", json=body))
+            await _waiting(two, 2)
+            two.proc.send_signal(signal.SIGTERM)
+            finished = await short
+            await asyncio.to_thread(worker_1.wait, 60)  # gone (its code: the launcher logs it)
+            start = time.monotonic()
+            info = await client.get("/get_server_info")
+            info_s = time.monotonic() - start
+            assert info.status_code == 200, (info_s, info.text)
+            start = time.monotonic()
+            aborted = await client.post("/abort_request", json={"rid": "long"})
+            abort_s = time.monotonic() - start
+            assert aborted.status_code == 200, (abort_s, aborted.text)
+            return finished, info_s, info.json(), abort_s, aborted.json(), (await held).json()
 
-        resp = asyncio.run(go())
-        assert resp.status_code == 503, resp.text
-        assert srv.proc.wait(20) == 1
-        _assert_all_gone(procs)
-        assert "the http-1 process died" in srv.log.read_text()
-
-
-def test_sigterm_drains_every_worker_then_exits_zero(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    args = ["--tokenizer-worker-num", "2", "--no-embedding-model", "--shutdown-timeout", "60"]
-    with _server(tmp_path_factory, "workers_drain", args) as srv:
-        procs = _tree(srv)
-
-        async def go() -> httpx.Response:
-            client, _ = await _aclient_on(srv.base, lambda w: w == 1)
-            async with contextlib.aclosing(client):
-                await set_paused(client, True)  # the drain continues a paused server
-                body = {"prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
-                call = asyncio.create_task(client.post("/v1/completions", json=body))
-                await _waiting(srv, 1)
-                srv.proc.send_signal(signal.SIGTERM)
-                return await call
-
-        resp = asyncio.run(go())
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["usage"]["completion_tokens"] == 16
-        assert srv.proc.wait(30) == 0
-        _assert_all_gone(procs)
-
-
-def test_a_fan_out_during_the_drain_does_not_wait_for_a_worker_that_left(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """SIGTERM with a long request on worker 0: worker 1, with nothing in flight, ends its
-    drain and exits (announcing it); /get_server_info and an abort by rid through worker 0,
-    each a fan-out, then answer without waiting out the 10 s a silent worker would cost."""
-    args = ["--tokenizer-worker-num", "2", "--no-embedding-model", "--shutdown-timeout", "300"]
-    with _server(tmp_path_factory, "workers_left", args) as srv:
-        procs = _tree(srv)
-        worker_1 = next(p for p in procs if "sluice::http-1" in " ".join(p.cmdline()))
-
-        async def go() -> tuple[float, dict[str, Any], float, dict[str, Any], httpx.Response]:
-            client, _ = await _aclient_on(srv.base, lambda w: w == 0)
-            async with contextlib.aclosing(client):
-                await set_paused(client, True)  # into the queue first; the drain continues it
-                body = {"text": "Tell me a long story.", "rid": "long", "sampling_params": HELD}
-                call = asyncio.create_task(client.post("/generate", json=body))
-                await _waiting(srv, 1)
-                srv.proc.send_signal(signal.SIGTERM)
-                await asyncio.to_thread(worker_1.wait, 60)  # gone (its code: the launcher logs it)
-                start = time.monotonic()
-                info = await client.get("/get_server_info")
-                info_s = time.monotonic() - start
-                assert info.status_code == 200, (info_s, info.text)
-                start = time.monotonic()
-                aborted = await client.post("/abort_request", json={"rid": "long"})
-                abort_s = time.monotonic() - start
-                assert aborted.status_code == 200, (abort_s, aborted.text)
-                return info_s, info.json(), abort_s, aborted.json(), await call
-
-        info_s, info, abort_s, aborted, resp = asyncio.run(go())
-        assert info_s < 5 and abort_s < 5, (info_s, abort_s)  # a silent worker: 10 s each
-        assert [w["index"] for w in info["tokenizer_workers"]] == [0]
-        assert aborted == {"success": True, "num_aborted": 1}
-        assert resp.json()["meta_info"]["finish_reason"]["type"] == "abort", resp.text
-        assert srv.proc.wait(30) == 0
-        _assert_all_gone(procs)
+    finished, info_s, info, abort_s, aborted, resp = asyncio.run(go())
+    assert finished.status_code == 200, finished.text
+    assert finished.json()["usage"]["completion_tokens"] == 16
+    assert info_s < 5 and abort_s < 5, (info_s, abort_s)  # a silent worker: 10 s each
+    assert [w["index"] for w in info["tokenizer_workers"]] == [0]
+    assert aborted == {"success": True, "num_aborted": 1}
+    assert resp["meta_info"]["finish_reason"]["type"] == "abort", resp
+    assert two.proc.wait(30) == 0
+    _assert_all_gone(procs)

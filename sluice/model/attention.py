@@ -104,10 +104,12 @@ def select_backends(
 
 class CpuKernelAttention:
     """sluice's C++ CPU kernels (`sluice.model.kernels.cpu_ops()`): they read each request's K/V
-    rows in place, query by query, in float32 or bfloat16. They take decode, and prefills whose
-    padded attention would be mostly masked (several prompts of different lengths); dense prefills
-    (one fresh prompt, or a long chunk on a long prefix) are left to SDPA's blocked matmuls,
-    which are faster there."""
+    rows in place, query by query, in float32 or bfloat16. They take decode; extends whose
+    requests bring few queries each (decoding rows beside a prompt's last token, short chunks on
+    cached prefixes: SDPA's matmuls have no queries to share a key over, and it pays for the
+    gather and the float32 casts); and prefills whose padded attention would be mostly masked
+    (several prompts of different lengths). Dense prefills (one fresh prompt, or a long chunk
+    on a long prefix) are left to SDPA's blocked matmuls, which are faster there."""
 
     name = "cpu-kernels"
 
@@ -115,12 +117,17 @@ class CpuKernelAttention:
     # measured on SmolLM2's shapes on a Zen 4 (16-lane build), SDPA is 1.4-2.8x slower at 0.5
     # and up to 1.4x faster at 0.75 and above
     MAX_MASK_DENSITY = 0.7
+    # ... and whatever the share when no request brings more queries than this: on SmolLM2's
+    # shapes in bfloat16 on a Xeon (model 207, one thread), SDPA took 1.1-6x the kernel's CPU
+    # time at 1 to 16 queries a request (at densities up to 1.0), about as much at 32, and
+    # 0.7x at 64 and more on a long prefix
+    MAX_FEW_QUERIES = 16
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops
 
     def supports(self, fb: ForwardBatch) -> bool:
-        if fb.mode == ForwardMode.DECODE:
+        if fb.mode == ForwardMode.DECODE or fb.max_q <= self.MAX_FEW_QUERIES:
             return True
         return not fb.is_causal_single and fb.mask_density < self.MAX_MASK_DENSITY
 

@@ -156,7 +156,7 @@ class CpuKernelAttention:
 class SdpaAttention:
     """PyTorch's scaled_dot_product_attention; takes every batch. A single fresh prompt attends
     causally over its own k/v (nothing is gathered); any other batch gathers each request's slots
-    into padded per-request views and masks them with `fb.attn_mask`.
+    into padded per-request views and masks them (`fb.padded()`).
 
     On CPU, dtypes other than float32 are computed in float32. On CUDA, only the kernels in
     `cuda_backends` may run (SLUICE_CUDA_SDPA, read at first use where not given)."""
@@ -185,13 +185,14 @@ class SdpaAttention:
             return out.squeeze(0).transpose(0, 1).reshape(-1, h * d)
         k_all, v_all = kv.gather(layer.layer_id, fb.kv_indices)  # [B, max_kv, Hkv, D]
         kp, vp = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, Hkv, max_kv, D]
+        pad = fb.padded()
         if fb.mode == ForwardMode.DECODE:
             qp = q.view(bs, 1, h, d).transpose(1, 2)  # [B, H, 1, D]
-            return self._sdpa(qp, kp, vp, fb.attn_mask, False, layer).reshape(bs, h * d)
-        qp = q[fb.q_pad_index].view(bs, fb.max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
-        out = self._sdpa(qp, kp, vp, fb.attn_mask, False, layer)  # [B, H, max_q, D]
+            return self._sdpa(qp, kp, vp, pad.attn_mask, False, layer).reshape(bs, h * d)
+        qp = q[pad.q_pad_index].view(bs, fb.max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
+        out = self._sdpa(qp, kp, vp, pad.attn_mask, False, layer)  # [B, H, max_q, D]
         out = out.transpose(1, 2).reshape(bs * fb.max_q, h * d)
-        return out[fb.q_unpad_index]
+        return out[pad.q_unpad_index]
 
     def _sdpa(self, q, k, v, mask, causal: bool, layer: AttentionLayer) -> torch.Tensor:
         # on CPU in float32: PyTorch's bfloat16 CPU attention is several times slower than the

@@ -104,10 +104,12 @@ def select_backends(
 
 class CpuKernelAttention:
     """sluice's C++ CPU kernels (`sluice.model.kernels.cpu_ops()`): they read each request's K/V
-    rows in place, query by query, in float32 or bfloat16. They take decode, and prefills whose
-    padded attention would be mostly masked (several prompts of different lengths); dense prefills
-    (one fresh prompt, or a long chunk on a long prefix) are left to SDPA's blocked matmuls,
-    which are faster there."""
+    rows in place, query by query, in float32 or bfloat16. They take decode; extends whose
+    requests bring few queries each (decoding rows beside a prompt's last token, short chunks on
+    cached prefixes: SDPA's matmuls have no queries to share a key over, and it pays for the
+    gather and the float32 casts); and prefills whose padded attention would be mostly masked
+    (several prompts of different lengths). Dense prefills (one fresh prompt, or a long chunk
+    on a long prefix) are left to SDPA's blocked matmuls, which are faster there."""
 
     name = "cpu-kernels"
 
@@ -115,12 +117,17 @@ class CpuKernelAttention:
     # measured on SmolLM2's shapes on a Zen 4 (16-lane build), SDPA is 1.4-2.8x slower at 0.5
     # and up to 1.4x faster at 0.75 and above
     MAX_MASK_DENSITY = 0.7
+    # ... and whatever the share when no request brings more queries than this: on SmolLM2's
+    # shapes in bfloat16 on a Xeon (model 207, one thread), SDPA took 1.1-6x the kernel's CPU
+    # time at 1 to 16 queries a request (at densities up to 1.0), about as much at 32, and
+    # 0.7x at 64 and more on a long prefix
+    MAX_FEW_QUERIES = 16
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops
 
     def supports(self, fb: ForwardBatch) -> bool:
-        if fb.mode == ForwardMode.DECODE:
+        if fb.mode == ForwardMode.DECODE or fb.max_q <= self.MAX_FEW_QUERIES:
             return True
         return not fb.is_causal_single and fb.mask_density < self.MAX_MASK_DENSITY
 
@@ -149,7 +156,7 @@ class CpuKernelAttention:
 class SdpaAttention:
     """PyTorch's scaled_dot_product_attention; takes every batch. A single fresh prompt attends
     causally over its own k/v (nothing is gathered); any other batch gathers each request's slots
-    into padded per-request views and masks them with `fb.attn_mask`.
+    into padded per-request views and masks them (`fb.padded()`).
 
     On CPU, dtypes other than float32 are computed in float32. On CUDA, only the kernels in
     `cuda_backends` may run (SLUICE_CUDA_SDPA, read at first use where not given)."""
@@ -178,13 +185,14 @@ class SdpaAttention:
             return out.squeeze(0).transpose(0, 1).reshape(-1, h * d)
         k_all, v_all = kv.gather(layer.layer_id, fb.kv_indices)  # [B, max_kv, Hkv, D]
         kp, vp = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, Hkv, max_kv, D]
+        pad = fb.padded()
         if fb.mode == ForwardMode.DECODE:
             qp = q.view(bs, 1, h, d).transpose(1, 2)  # [B, H, 1, D]
-            return self._sdpa(qp, kp, vp, fb.attn_mask, False, layer).reshape(bs, h * d)
-        qp = q[fb.q_pad_index].view(bs, fb.max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
-        out = self._sdpa(qp, kp, vp, fb.attn_mask, False, layer)  # [B, H, max_q, D]
+            return self._sdpa(qp, kp, vp, pad.attn_mask, False, layer).reshape(bs, h * d)
+        qp = q[pad.q_pad_index].view(bs, fb.max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
+        out = self._sdpa(qp, kp, vp, pad.attn_mask, False, layer)  # [B, H, max_q, D]
         out = out.transpose(1, 2).reshape(bs * fb.max_q, h * d)
-        return out[fb.q_unpad_index]
+        return out[pad.q_unpad_index]
 
     def _sdpa(self, q, k, v, mask, causal: bool, layer: AttentionLayer) -> torch.Tensor:
         # on CPU in float32: PyTorch's bfloat16 CPU attention is several times slower than the

@@ -68,7 +68,8 @@ logger = logging.getLogger(__name__)
 NEW_TOKEN_RATIO_INIT, NEW_TOKEN_RATIO_MIN, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
 RETRACT_HEADROOM_STEPS = 16  # decode steps of room to make when retracting
 GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle step waits for a compilation
-# a mixed step builds padded [B, max_q, max_kv] attention metadata: at most this many entries
+# a mixed step that SDPA takes builds padded [B, max_q, max_kv] attention metadata: at most this
+# many entries
 MIX_MAX_PADDED = 1 << 24
 
 

@@ -30,15 +30,20 @@ CPU = torch.device("cpu")
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 FAKE_OPS = SimpleNamespace(attention_head_dims=(HEAD_DIM,))  # what select_backends reads
 
-# (mode, prefix_lens, extend_lens) -> the backend that took it before backends were split out:
-# SDPA for one fresh prompt and for dense prefills, the kernels for decode and sparse prefills
+# (mode, prefix_lens, extend_lens) -> the backend that takes it: SDPA for one fresh prompt and
+# for dense prefills of many queries a request, the kernels for decode, sparse prefills, and
+# extends of few queries a request however dense (CpuKernelAttention.MAX_FEW_QUERIES)
 CASES = {
     "decode-uneven": (ForwardMode.DECODE, [6, 40, 1], [1, 1, 1], "cpu-kernels"),
     "decode-even": (ForwardMode.DECODE, [9, 9], [1, 1], "cpu-kernels"),
     "one-fresh-prompt": (ForwardMode.EXTEND, [0], [37], "sdpa"),
     "prompts-of-different-lengths": (ForwardMode.EXTEND, [0, 0, 0], [3, 40, 9], "cpu-kernels"),
     "chunk-on-a-long-prefix": (ForwardMode.EXTEND, [100], [50], "sdpa"),  # density 0.84
-    "one-token-on-a-prefix": (ForwardMode.EXTEND, [30], [1], "sdpa"),  # density 1
+    "one-token-on-a-prefix": (ForwardMode.EXTEND, [30], [1], "cpu-kernels"),  # density 1
+    # a cached prompt's last token beside decoding requests (a mixed step): density 0.92
+    "decodes-beside-a-last-token": (ForwardMode.EXTEND, [30, 28, 25], [1, 1, 1], "cpu-kernels"),
+    "short-chunk-on-a-long-prefix": (ForwardMode.EXTEND, [100], [16], "cpu-kernels"),  # 0.93
+    "fresh-short-prompt": (ForwardMode.EXTEND, [0], [5], "cpu-kernels"),
     "short-chunks-on-prefixes": (ForwardMode.EXTEND, [20, 0], [4, 24], "cpu-kernels"),
 }
 

@@ -405,7 +405,7 @@ def _prefill_logits(runner, ids: list[int]) -> torch.Tensor:
     from sluice.model.forward_batch import ForwardBatch, ForwardMode
 
     n = len(ids)
-    req_to_token = torch.arange(n, dtype=torch.int32).unsqueeze(0)
+    req_to_token = torch.arange(n, dtype=torch.int64).unsqueeze(0)  # as ReqToTokenPool
     fb = ForwardBatch.build(
         ForwardMode.EXTEND, ids, [0], [n], torch.arange(n), req_to_token, [0], list(range(n)),
         torch.device("cpu"),

@@ -7,9 +7,9 @@ child within WATCHDOG_INTERVAL_S. `launch_server` adds the HTTP server (uvicorn)
 With --tokenizer-worker-num N > 1 this process is HTTP worker 0 and `ServingProcesses` also
 spawns workers 1..N-1 (`server/http_worker.py`) beside the model processes: each imports and
 loads its tokenizer while the model loads, and gets the model processes' handshakes on its start
-pipe once they are ready; they are children like the others. A signal here drains every worker (relayed as PeerDrain), one that
-comes before uvicorn's handlers are installed too; the watchdog keeps watching while the other
-workers drain.
+pipe once they are ready; they are children like the others. A signal here drains every worker
+(relayed as PeerDrain), one that comes before uvicorn's handlers are installed too; the watchdog
+keeps watching while the other workers drain.
 
 Guarantees: no child outlives `ServingProcesses` (terminated on exit, and each child exits by
 itself when its parent is gone); a failed start reports the child's traceback; after a child

@@ -160,7 +160,9 @@ class ForwardOutput:
     hidden: torch.Tensor | None
 
 
-def _positions(pre_t: torch.Tensor, ext_t: torch.Tensor, num_tokens: int, max_q: int):
+def _positions(
+    pre_t: torch.Tensor, ext_t: torch.Tensor, num_tokens: int, max_q: int
+) -> torch.Tensor:
     """[T] int64: request b's new tokens sit at prefix_b, prefix_b + 1, ..."""
     if max_q == 1 and num_tokens == len(pre_t):  # one token a request (decode)
         return pre_t.clone()

@@ -85,9 +85,7 @@ def install_fused_decode(model: nn.Module, kv: KVCache) -> FusedDecode | None:
     if reason is not None:
         logger.info("fused decode: off (%s)", reason)
         return None
-    from sluice.model.kernels import cpu_ops
-
-    stack.fused_decode = FusedDecode(stack, kv, cpu_ops())
+    stack.fused_decode = FusedDecode(stack, kv, stack.norm.cpu_ops)  # why_not_fused: not None
     logger.info(
         "fused decode: decode steps of 1 to %d rows run all %d layers in one C++ call",
         stack.fused_decode.max_rows, len(stack.layers),

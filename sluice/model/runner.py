@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,6 +91,8 @@ class ModelRunner:
             kv_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
         self.fused_decode = install_fused_decode(self.model, self.kv)  # None: per-op path only
+        # the sampler's grammar masks (sluice.model.sampler) on float32 logits, whatever the dtype
+        self.cpu_ops = _sampler_kernels(device)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -164,6 +167,14 @@ def load_model(
         str(dtype).removeprefix("torch."), device, time.perf_counter() - start,
     )  # fmt: skip
     return model
+
+
+def _sampler_kernels(device: torch.device) -> Any | None:
+    if device.type != "cpu":
+        return None
+    from sluice.model.kernels import cpu_ops
+
+    return cpu_ops()
 
 
 def _use_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

@@ -14,6 +14,11 @@
 3. sampling rows: temperature, top-k (on logits), softmax, top-p, min-p (on probabilities), and one
    inverse-CDF draw per row.
 
+A grammar's bitmask is applied as it is, with no [G, V] float bias, by sluice's CPU kernels when
+`sample` is given them (`kernels`, `sluice.model.kernels.cpu_ops()`), else by PyTorch ops with the
+same result; a batch of greedy rows with no processor but grammars takes the argmax of the
+allowed logits directly (`masked_argmax`), without writing a masked copy.
+
 Reproducibility: the only randomness of a request at output step t is one uniform number derived
 from (seed, t) by a counter-based hash, so a seeded request picks the same token whatever batch it
 is in and whatever its row; every other step works row by row. Log-probabilities are always those
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -237,12 +242,16 @@ def _build_blocked(params, output_ids, blocked_ids, vocab_size, device) -> Spars
     return SparseLogits(blocked_rows, cols, torch.empty(0, device=device))
 
 
-def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+def apply_logit_processors(
+    logits: torch.Tensor, info: SamplingBatchInfo, kernels: Any | None = None
+) -> torch.Tensor:
     """Penalties, bias and blocking on [B, V] logits; returns a new tensor, or `logits` itself
     when no request has a processor. The input is never modified."""
     if not info.has_logit_processors:
         return logits
-    if _only_grammar_on_every_row(info, logits.shape[0]):  # one pass, not a copy and an add
+    if _only_grammar_on_every_row(info, logits.shape[0]) and not _kernels_fit(
+        kernels, logits, info.grammar_masks
+    ):  # one pass, not a copy and an add
         return logits + grammar_bias(info.grammar_masks.to(logits.device), logits.shape[1])
     out = logits.clone()
     if info.repetition is not None:
@@ -255,15 +264,21 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
     if info.blocked is not None:
         out[info.blocked.rows, info.blocked.cols] = float("-inf")
     if info.grammar_rows is not None:
-        _apply_grammar(out, logits, info.grammar_rows, info.grammar_masks, info.blocked is not None)
+        _apply_grammar(
+            out, logits, info.grammar_rows, info.grammar_masks, info.blocked is not None, kernels
+        )
     return out
 
 
-def _only_grammar_on_every_row(info: SamplingBatchInfo, num_rows: int) -> bool:
+def _only_grammar(info: SamplingBatchInfo) -> bool:
     return (
         info.repetition is None and info.additive is None and info.blocked is None
-        and info.grammar_rows is not None and len(info.grammar_rows) == num_rows
+        and info.grammar_rows is not None
     )  # fmt: skip
+
+
+def _only_grammar_on_every_row(info: SamplingBatchInfo, num_rows: int) -> bool:
+    return _only_grammar(info) and len(info.grammar_rows) == num_rows
 
 
 # per byte value, the additive mask of its 8 tokens: 0 where the bit is set (allowed), -inf
@@ -283,40 +298,110 @@ def grammar_bias(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return table.index_select(0, codes).view(masks.shape[0], -1)[:, :vocab_size]
 
 
-def _apply_grammar(
-    out: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor, blocked: bool
+def _kernels_fit(kernels: Any | None, logits: torch.Tensor, masks: torch.Tensor) -> bool:
+    """The CPU kernels can read these logits and bitmasks in place."""
+    return (
+        kernels is not None and logits.device.type == "cpu" and masks.device.type == "cpu"
+        and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+        and masks.dtype == torch.int32
+    )  # fmt: skip
+
+
+def mask_grammar_(
+    logits: torch.Tensor,
+    masks: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    kernels: Any | None = None,
 ) -> None:
-    """-inf on disallowed tokens of the grammar rows of `out` (in place when they are all the
-    rows). With `blocked` tokens in the batch, a row left with no allowed token (min_new_tokens
-    blocks the stop that is all the grammar allows) restarts from `raw`."""
-    bias = grammar_bias(masks.to(out.device), out.shape[1])  # [G, V]
+    """-inf, in place, on the tokens that bitmask g [G, ceil(V / 32)] does not allow in row
+    rows[g] of logits [B, V] (rows distinct; None: row g)."""
+    if _kernels_fit(kernels, logits, masks):
+        kernels.grammar_mask_(logits, masks.contiguous(), rows)
+        return
+    bias = grammar_bias(masks.to(logits.device), logits.shape[1])  # [G, V]
+    if rows is None:
+        logits.add_(bias)
+    else:
+        logits[rows] = logits[rows] + bias
+
+
+def masked_argmax(
+    logits: torch.Tensor,
+    masks: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    kernels: Any | None = None,
+) -> torch.Tensor:
+    """int64 [G]: the greedy token of row rows[g] of finite logits [B, V] (None: row g) among
+    those bitmask g allows, as `greedy_argmax` of the masked row (the first index of the
+    maximum; 0 where nothing is allowed). The logits are not modified."""
+    if _kernels_fit(kernels, logits, masks):
+        return kernels.masked_argmax(logits, masks.contiguous(), rows)
+    sub = logits if rows is None else logits[rows]
+    return greedy_argmax(sub + grammar_bias(masks.to(logits.device), logits.shape[1]))
+
+
+def _apply_grammar(
+    out: torch.Tensor,
+    raw: torch.Tensor,
+    rows: torch.Tensor,
+    masks: torch.Tensor,
+    blocked: bool,
+    kernels: Any | None = None,
+) -> None:
+    """-inf, in place, on disallowed tokens of the grammar rows of `out`. With `blocked` tokens
+    in the batch, a row left with no allowed token (min_new_tokens blocks the stop that is all
+    the grammar allows) restarts from `raw`."""
     every_row = len(rows) == out.shape[0]  # rows are in order: the batch's grammar rows
-    sub = out.add_(bias) if every_row else out[rows].add_(bias)
+    mask_grammar_(out, masks, None if every_row else rows, kernels)
     if blocked:
-        empty = torch.isneginf(sub.amax(dim=-1))
+        empty = torch.isneginf(out[rows].amax(dim=-1))
         if bool(empty.any()):
-            sub[empty] = raw[rows[empty]] + bias[empty]
-    if not every_row:
-        out[rows] = sub
+            fresh = raw[rows[empty]]  # a copy
+            mask_grammar_(fresh, masks[empty], None, kernels)
+            out[rows[empty]] = fresh
 
 
 def sample(
-    logits: torch.Tensor, info: SamplingBatchInfo, max_top_k: int = 0, need_logprobs: bool = True
+    logits: torch.Tensor,
+    info: SamplingBatchInfo,
+    max_top_k: int = 0,
+    need_logprobs: bool = True,
+    kernels: Any | None = None,
 ) -> SampleOutput:
     """Pick the next token of every row of `logits` [B, V] (float32). Without `need_logprobs`
-    the returned logprobs are zeros (no full-vocab log-softmax is computed)."""
-    processed = apply_logit_processors(logits, info)
-    if info.is_all_greedy:
-        next_ids = greedy_argmax(processed)
-    elif info.sample_rows is None:
-        next_ids = _sample_rows(processed, info)
+    the returned logprobs are zeros (no full-vocab log-softmax is computed). `kernels`: sluice's
+    CPU kernels for the grammar masks, or None (PyTorch ops, the same tokens)."""
+    if info.is_all_greedy and _only_grammar(info):
+        next_ids = _greedy_with_grammar(logits, info, kernels)
+    elif info.is_all_greedy:
+        next_ids = greedy_argmax(apply_logit_processors(logits, info, kernels))
     else:
-        next_ids = greedy_argmax(processed)
-        next_ids[info.sample_rows] = _sample_rows(processed[info.sample_rows], info)
+        processed = apply_logit_processors(logits, info, kernels)
+        if info.sample_rows is None:
+            next_ids = _sample_rows(processed, info)
+        else:
+            next_ids = greedy_argmax(processed)
+            next_ids[info.sample_rows] = _sample_rows(processed[info.sample_rows], info)
     if not need_logprobs:
         return SampleOutput(next_ids, torch.zeros(len(next_ids)), None)
     logprobs, top = token_logprobs(logits, next_ids, max_top_k)
     return SampleOutput(next_ids, logprobs, top)
+
+
+def _greedy_with_grammar(
+    logits: torch.Tensor, info: SamplingBatchInfo, kernels: Any | None
+) -> torch.Tensor:
+    """Greedy tokens of a batch whose only processors are grammars: the masked argmax of the
+    grammar rows, the plain one of the others."""
+    rows, masks = info.grammar_rows, info.grammar_masks
+    if len(rows) == logits.shape[0]:
+        return masked_argmax(logits, masks, None, kernels)
+    next_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    free = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    free[rows] = False
+    next_ids[free] = greedy_argmax(logits[free])
+    next_ids[rows] = masked_argmax(logits, masks, rows, kernels)
+    return next_ids
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +138,7 @@ def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
         if not finite[i]:
             result.errors[i] = NON_FINITE
     if any(finite[i] for i in sampled):
-        _sample(plan, [i for i in sampled if finite[i]], logits, result)
+        _sample(plan, [i for i in sampled if finite[i]], logits, result, runner.cpu_ops)
     return result
 
 
@@ -183,10 +184,12 @@ def _input_logprobs(
     return out
 
 
-def _sample(plan: StepPlan, rows: list[int], logits: torch.Tensor, result: StepOutput) -> None:
+def _sample(
+    plan: StepPlan, rows: list[int], logits: torch.Tensor, result: StepOutput, kernels: Any | None
+) -> None:
     """Sample one token for each of the `rows` of plan.last (generation requests with finite
     logits); grammar-constrained ones get their mask (plan.grammar_masks follow
-    `constrained_reqs(plan)`)."""
+    `constrained_reqs(plan)`), applied by `kernels` (the runner's CPU kernels) when not None."""
     reqs = [plan.last[i] for i in rows]
     grammar_rows = [j for j, r in enumerate(reqs) if r.is_constrained]
     masks = None
@@ -201,7 +204,8 @@ def _sample(plan: StepPlan, rows: list[int], logits: torch.Tensor, result: StepO
     )  # fmt: skip
     max_top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
     want_lp = any(r.return_logprob for r in reqs)
-    out = sample(logits[rows] if len(rows) < len(plan.last) else logits, info, max_top, want_lp)
+    picked = logits[rows] if len(rows) < len(plan.last) else logits
+    out = sample(picked, info, max_top, want_lp, kernels)
     tokens = out.next_token_ids.tolist()
     lps = out.logprobs.tolist() if want_lp else None
     tops = _top_list(out.top_logprobs, len(reqs)) if want_lp and max_top else None

@@ -13,8 +13,8 @@ A request that carries a grammar (`json_schema`, `regex` or `ebnf` in its sampli
   thread does not count, and a compilation nobody waits for any more is cancelled if it has
   not started;
 - each step, `fill_masks` writes the allowed-token bitmask of every constrained row of a batch
-  in one call (llguidance's executor); the sampler applies them to the batch's logits in one
-  vectorized op (`model/sampler.py`). `start_masks` runs it on a thread of its own while the
+  in one call (llguidance's executor); the sampler reads them as bitmasks over the batch's
+  logits (`model/sampler.py`, with the CPU kernels' `masked_argmax` for greedy rows). `start_masks` runs it on a thread of its own while the
   forward runs (both release the GIL): the step joins it before sampling, and before anything
   advances a matcher again, so a matcher is never read and advanced at once.
 

@@ -235,6 +235,70 @@ def test_small_linear_refuses_what_it_cannot_take(ops) -> None:
     assert ops.small_linear_max_rows == 4 and ops.small_linear_k_multiple in (16, 32)
 
 
+def _grammar_case(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [8, vocab] with ties and masks [8, ceil(vocab / 32)] of every kind: random bits,
+    none, all, one (the sign bit of a word), only bits past the vocabulary, a tie between two
+    allowed tokens and a larger disallowed one."""
+    g = torch.Generator().manual_seed(seed)
+    words = (vocab + 31) // 32
+    logits = torch.randn(8, vocab, generator=g)
+    logits[:, 3] = logits[:, vocab - 1] = 9.0  # ties, allowed or not
+    masks = torch.randint(-(2**31), 2**31 - 1, (8, words), dtype=torch.int32, generator=g)
+    masks[1] = 0
+    masks[2] = -1
+    masks[3] = 0
+    masks[3, (vocab - 1) // 32] = -(2**31) if vocab % 32 == 0 else 1 << ((vocab - 1) % 32)
+    masks[4] = 0
+    if vocab % 32:
+        masks[4, -1] = -(2**31)  # a bit past the vocabulary: nothing allowed
+    masks[5] = 0
+    masks[5, 0] = 1 << 1 | 1 << 2
+    logits[5, 1] = logits[5, 2] = 5.0  # the allowed maximum, tied; token 3 (9.0) is not allowed
+    return logits, masks
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 70, 64, 33])
+def test_grammar_masks_match_the_bias_add(ops, vocab) -> None:
+    """masked_argmax and grammar_mask_ read bit t of word w as token 32 w + t: the same tokens
+    and logits as adding the sampler's float bias, on every row or on some rows."""
+    from sluice.model.sampler import grammar_bias
+
+    logits, masks = _grammar_case(vocab, vocab)
+    masked = logits + grammar_bias(masks, vocab)
+    assert torch.equal(ops.masked_argmax(logits, masks), masked.argmax(dim=-1))
+    assert ops.masked_argmax(logits, masks)[[1, 4, 5]].tolist() == [0, 0, 1]
+    out = logits.clone()
+    ops.grammar_mask_(out, masks)
+    assert torch.equal(out, masked)
+    rows = torch.tensor([6, 0, 5])
+    sub = masks[[0, 1, 5]].contiguous()
+    want = logits[rows] + grammar_bias(sub, vocab)
+    assert torch.equal(ops.masked_argmax(logits, sub, rows), want.argmax(dim=-1))
+    out = logits.clone()
+    ops.grammar_mask_(out, sub, rows)
+    assert torch.equal(out[rows], want)
+    others = [1, 2, 3, 4, 7]
+    assert torch.equal(out[others], logits[others])
+
+
+def test_grammar_masks_refuse_what_they_cannot_take(ops) -> None:
+    logits, masks = torch.randn(2, 70), torch.zeros(2, 3, dtype=torch.int32)
+    refusals = [
+        (logits, masks[:, :2].contiguous(), None, "2 words cannot cover 70 tokens"),
+        (logits.double(), masks, None, "float32"),
+        (logits, masks.long(), None, "int32"),
+        (logits.t().contiguous().t(), masks, None, "contiguous rows"),
+        (logits, masks, torch.tensor([0, 2]), "row 2 is outside the 2 rows"),
+        (logits, masks, torch.tensor([0]), r"int64 \[2\]"),
+        (torch.randn(3, 70), masks, None, "2 masks for 3 rows"),
+    ]
+    for x, m, rows, message in refusals:
+        with pytest.raises(RuntimeError, match=message):
+            ops.masked_argmax(x, m, rows)
+        with pytest.raises(RuntimeError, match=message):
+            ops.grammar_mask_(x.clone(), m, rows)
+
+
 def test_packed_linear_takes_the_kernel_for_a_few_rows_only(native_ops) -> None:
     calls: list[int] = []
 
@@ -274,6 +338,7 @@ def test_runner_hands_the_kernels_to_every_layer(tiny_llama_dir: str, native_ops
     found = _modules_with_ops(runner)
     assert set(found) == {PagedAttention, RMSNorm, RotaryEmbedding, LlamaMLP, PackedLinear}
     assert all(o is native_ops for held in found.values() for o in held)
+    assert runner.cpu_ops is native_ops  # the sampler's, for grammar masks
 
 
 def test_float16_on_cpu_keeps_the_pytorch_path(tiny_llama_dir: str) -> None:

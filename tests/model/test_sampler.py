@@ -276,7 +276,19 @@ def test_grammar_bias_reads_bit_t_of_word_w_as_token_32w_plus_t():
             assert bias[row, token] == (0.0 if allowed else float("-inf"))
 
 
-def test_a_grammar_that_allows_only_a_blocked_stop_wins_over_min_new_tokens():
+@pytest.fixture(params=["torch", "cpu-kernels"])
+def kernels(request):
+    """How grammar masks are applied: PyTorch ops (None), or sluice's CPU kernels."""
+    if request.param == "torch":
+        return None
+    from sluice.model.kernels import cpu_ops
+
+    ops = cpu_ops()
+    assert ops is not None, "the CPU kernels did not build (see the warning log)"
+    return ops
+
+
+def test_a_grammar_that_allows_only_a_blocked_stop_wins_over_min_new_tokens(kernels):
     """Row 0's grammar allows token 1 only, which min_new_tokens blocks: the grammar's mask
     alone applies to it; row 1 (no grammar) keeps the block."""
     logits = BASE_LOGITS.repeat(2, 1)
@@ -285,12 +297,12 @@ def test_a_grammar_that_allows_only_a_blocked_stop_wins_over_min_new_tokens():
     only_token_1[0, 0] = 1 << 1
     info = build(params, outputs=[[], []], blocked=[[1], [1]])
     info.grammar_rows, info.grammar_masks = torch.tensor([0]), only_token_1
-    assert sample(logits, info).next_token_ids.tolist()[0] == 1
-    assert sample(logits, info).next_token_ids.tolist()[1] != 1
+    assert sample(logits, info, kernels=kernels).next_token_ids.tolist()[0] == 1
+    assert sample(logits, info, kernels=kernels).next_token_ids.tolist()[1] != 1
 
 
 @pytest.mark.parametrize("grammar_rows", [[0, 1, 2], [0, 2]])
-def test_grammar_masks_leave_the_raw_logits_alone_on_every_path(grammar_rows):
+def test_grammar_masks_leave_the_raw_logits_alone_on_every_path(grammar_rows, kernels):
     """Masks on every row (one add, no copy first) or on some: allowed tokens keep their
     logits, the others are -inf, unmasked rows are untouched, and the input is not modified."""
     gen = torch.Generator().manual_seed(7)
@@ -299,13 +311,46 @@ def test_grammar_masks_leave_the_raw_logits_alone_on_every_path(grammar_rows):
     masks = torch.randint(-(2**31), 2**31 - 1, (len(grammar_rows), 3), dtype=torch.int32)
     info = build([SamplingParams(temperature=0.0)] * 3, vocab=70)
     info.grammar_rows, info.grammar_masks = torch.tensor(grammar_rows), masks
-    out = apply_logit_processors(logits, info)
+    out = apply_logit_processors(logits, info, kernels)
     assert torch.equal(logits, raw)
     bias = sampler.grammar_bias(masks, 70)
     for row in range(3):
         want = raw[row] + bias[grammar_rows.index(row)] if row in grammar_rows else raw[row]
         assert torch.equal(out[row], want)
-    assert sample(logits, info).next_token_ids.tolist() == out.argmax(dim=-1).tolist()
+    got = sample(logits, info, kernels=kernels).next_token_ids  # the masked argmax, no copy
+    assert got.tolist() == out.argmax(dim=-1).tolist()
+    assert torch.equal(logits, raw)
+
+
+@pytest.mark.parametrize("with_penalty", [False, True], ids=["grammar-only", "with-penalty"])
+def test_grammar_rows_sample_the_same_tokens_with_or_without_the_kernels(with_penalty):
+    """A batch of greedy and sampling rows, some constrained: the CPU kernels and the PyTorch
+    ops pick the same tokens, every pick is allowed by its mask, and logprobs stay raw."""
+    from sluice.model.kernels import cpu_ops
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, n = 2100, 6  # past two argmax blocks, a last mask word partly past the vocabulary
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    masks = torch.randint(-(2**31), 2**31 - 1, (4, 66), dtype=torch.int32, generator=gen)
+    masks[1] = 0
+    masks[1, 40] = 1 << 7  # one token allowed (1287)
+    rows = [0, 2, 3, 5]
+    params = [
+        SamplingParams(temperature=t, repetition_penalty=1.3 if with_penalty and i == 2 else 1.0)
+        for i, t in enumerate([0.0, 0.0, 0.0, 0.8, 0.0, 1.0])
+    ]
+    tokens = {}
+    for name, ops in (("torch", None), ("cpu", cpu_ops())):
+        info = build(params, outputs=[[5, 1287]] * n, vocab=vocab)
+        info.grammar_rows, info.grammar_masks = torch.tensor(rows), masks
+        out = sample(logits, info, kernels=ops)
+        tokens[name] = out.next_token_ids.tolist()
+        assert torch.equal(out.logprobs, token_logprobs(logits, out.next_token_ids)[0])
+    assert tokens["torch"] == tokens["cpu"]
+    assert tokens["cpu"][2] == 1287
+    for g, row in enumerate(rows):
+        token = tokens["cpu"][row]
+        assert (int(masks[g, token // 32]) >> (token % 32)) & 1
 
 
 @pytest.mark.parametrize("vocab", [1024 * 3, 1024 * 3 + 5, 1500, 700])

@@ -17,6 +17,7 @@ class FakeRunner:
     """Returns the logits it is given, one row per logits row of the forward batch."""
 
     device = torch.device("cpu")
+    cpu_ops = None  # the sampler's PyTorch ops
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits

@@ -9,7 +9,10 @@ k_pool, v_pool, kv_indices, q_rows, q_lens, scale)` (for the head dims in its
 `silu_and_mul(x)`, `rope_(x, positions, cos, sin, heads, head_dim)` and `small_linear(x, w,
 bias=None)` (up to `small_linear_max_rows` rows, in_features a multiple of
 `small_linear_k_multiple`), for float32 and bfloat16
-tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs. `DecodeLayers`
+tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs. For the sampler's
+grammar masks, on float32 logits and int32 bitmasks: `masked_argmax(logits, masks, rows=None)`
+and `grammar_mask_(logits, masks, rows=None)` (exact: the same tokens and values as adding
+`sluice.model.sampler.grammar_bias`). `DecodeLayers`
 runs a llama decoder stack with GGUF block weights over a decode step in one call
 (sluice.model.fused_decode), once `quant_ops()` has handed it its linear layers.
 

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -918,6 +919,138 @@ class DecodeLayers {
 
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// Grammar bitmasks over float32 logits, read as they are: no [G, V] float bias is built. Row g
+// of masks [G, >= ceil(V / 32)] int32 belongs to logits row rows[g] (rows None: row g); bit t
+// of word w allows token 32 w + t, bits at or past V are ignored. A word with no bit set (most
+// of them where the grammar allows a few tokens) is skipped, one with all set read plainly.
+// One thread: a batch's rows take about a millisecond on one core, and a fork-join over both
+// cores of a busy machine waited ten times that for its preempted thread.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int64_t MASK_BITS = 32;
+
+// the lanes of the k-th vector of a word's 32 tokens that its bits allow: all ones, or zero
+inline vi allowed_lanes(uint32_t word, int k) {
+  vu lane_bit;
+  for (int i = 0; i < W; ++i) lane_bit[i] = 1u << i;
+  const vu bits = vu{} + (word >> (k * W));
+  return (vi)((bits & lane_bit) != 0);
+}
+
+inline vf ninf_vf() { return vf{} - std::numeric_limits<float>::infinity(); }
+
+// the largest allowed logit of a row (-inf when none is allowed)
+float masked_row_max(const float* x, const uint32_t* m, int64_t V) {
+  const int64_t full = V / MASK_BITS;
+  vf best = ninf_vf();
+  for (int64_t w = 0; w < full; ++w) {
+    const uint32_t word = m[w];
+    if (word == 0) continue;
+    const float* p = x + w * MASK_BITS;
+    for (int k = 0; k < MASK_BITS / W; ++k) {
+      const vf v = load(p + k * W);
+      const vf allowed = word == ~0u ? v : (allowed_lanes(word, k) != 0 ? v : ninf_vf());
+      best = allowed > best ? allowed : best;
+    }
+  }
+  float b = best[0];
+  for (int i = 1; i < W; ++i) b = std::max(b, best[i]);
+  for (int64_t t = full * MASK_BITS; t < V; ++t)
+    if ((m[t / MASK_BITS] >> (t % MASK_BITS)) & 1u) b = std::max(b, x[t]);
+  return b;
+}
+
+// the first allowed token of a row whose logit is `value`, else 0
+int64_t first_allowed_equal(const float* x, const uint32_t* m, int64_t V, float value) {
+  for (int64_t w = 0; w * MASK_BITS < V; ++w) {
+    for (uint32_t word = m[w]; word != 0; word &= word - 1) {
+      const int64_t t = w * MASK_BITS + __builtin_ctz(word);
+      if (t >= V) break;
+      if (x[t] == value) return t;
+    }
+  }
+  return 0;
+}
+
+// -inf on the disallowed tokens of a row, in place
+void mask_row(float* x, const uint32_t* m, int64_t V) {
+  const int64_t full = V / MASK_BITS;
+  for (int64_t w = 0; w < full; ++w) {
+    const uint32_t word = m[w];
+    if (word == ~0u) continue;
+    float* p = x + w * MASK_BITS;
+    for (int k = 0; k < MASK_BITS / W; ++k) {
+      const vf v = load(p + k * W);
+      store(allowed_lanes(word, k) != 0 ? v : ninf_vf(), p + k * W);
+    }
+  }
+  for (int64_t t = full * MASK_BITS; t < V; ++t)
+    if (!((m[t / MASK_BITS] >> (t % MASK_BITS)) & 1u)) x[t] = -std::numeric_limits<float>::infinity();
+}
+
+// checks the shapes and returns the logits row of each mask row
+std::vector<int64_t> mask_rows(const at::Tensor& logits, const at::Tensor& masks,
+                               const std::optional<at::Tensor>& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "grammar masks: logits must be 2-D float32 with contiguous rows");
+  TORCH_CHECK(masks.dim() == 2 && masks.scalar_type() == at::kInt && masks.is_contiguous(),
+              "grammar masks: masks must be 2-D contiguous int32");
+  TORCH_CHECK(masks.size(1) * MASK_BITS >= logits.size(1), "grammar masks: ", masks.size(1),
+              " words cannot cover ", logits.size(1), " tokens");
+  const int64_t G = masks.size(0);
+  std::vector<int64_t> out(G);
+  if (rows) {
+    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == G && rows->scalar_type() == at::kLong,
+                "grammar masks: rows must be int64 [", G, "]");
+    const at::Tensor r = rows->contiguous();
+    const int64_t* rp = r.data_ptr<int64_t>();
+    for (int64_t g = 0; g < G; ++g) {
+      TORCH_CHECK(rp[g] >= 0 && rp[g] < logits.size(0), "grammar masks: row ", rp[g],
+                  " is outside the ", logits.size(0), " rows of the logits");
+      out[g] = rp[g];
+    }
+  } else {
+    TORCH_CHECK(G == logits.size(0), "grammar masks: ", G, " masks for ", logits.size(0), " rows");
+    for (int64_t g = 0; g < G; ++g) out[g] = g;
+  }
+  return out;
+}
+
+// int64 [G]: the argmax of each row's allowed logits (the first index of the maximum, as
+// torch.argmax of the logits with -inf on the disallowed tokens), for finite logits; 0 for a
+// row that allows nothing.
+at::Tensor masked_argmax(const at::Tensor& logits, const at::Tensor& masks,
+                         const std::optional<at::Tensor>& rows) {
+  const std::vector<int64_t> row_of = mask_rows(logits, masks, rows);
+  const int64_t G = masks.size(0), V = logits.size(1), words = masks.size(1);
+  auto out = at::empty({G}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  const auto* mp = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t stride = logits.stride(0);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* x = xp + row_of[g] * stride;
+    const uint32_t* m = mp + g * words;
+    op[g] = first_allowed_equal(x, m, V, masked_row_max(x, m, V));
+  }
+  return out;
+}
+
+// -inf, in place, on the tokens each mask row does not allow in its logits row
+void grammar_mask_(at::Tensor& logits, const at::Tensor& masks,
+                   const std::optional<at::Tensor>& rows) {
+  const std::vector<int64_t> row_of = mask_rows(logits, masks, rows);
+  const int64_t G = masks.size(0), V = logits.size(1), words = masks.size(1);
+  float* xp = logits.data_ptr<float>();
+  const auto* mp = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
+  const int64_t stride = logits.stride(0);
+  for (int64_t g = 0; g < G; ++g) mask_row(xp + row_of[g] * stride, mp + g * words, V);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sluice::bind_pool(m);
   m.attr("attention_head_dims") = pybind11::make_tuple(16, 32, 64, 80, 96, 128);  // the switch
@@ -927,6 +1060,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rope_", &rope_);
+  m.def("masked_argmax", &masked_argmax, pybind11::arg("logits"), pybind11::arg("masks"),
+        pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("grammar_mask_", &grammar_mask_, pybind11::arg("logits"), pybind11::arg("masks"),
+        pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("small_linear_max_rows") = SMALL_LINEAR_MAX_ROWS;
   m.attr("small_linear_k_multiple") = SMALL_LINEAR_K_MULTIPLE;
   m.def("small_linear", &small_linear, pybind11::arg("x"), pybind11::arg("w"),

@@ -14,9 +14,10 @@ A request that carries a grammar (`json_schema`, `regex` or `ebnf` in its sampli
   not started;
 - each step, `fill_masks` writes the allowed-token bitmask of every constrained row of a batch
   in one call (llguidance's executor); the sampler reads them as bitmasks over the batch's
-  logits (`model/sampler.py`, with the CPU kernels' `masked_argmax` for greedy rows). `start_masks` runs it on a thread of its own while the
-  forward runs (both release the GIL): the step joins it before sampling, and before anything
-  advances a matcher again, so a matcher is never read and advanced at once.
+  logits (`model/sampler.py`, with the CPU kernels' `masked_argmax` for greedy rows).
+  `start_masks` runs it on a thread of its own while the forward runs (both release the GIL):
+  the step joins it before sampling, and before anything advances a matcher again, so a
+  matcher is never read and advanced at once.
 
 The matcher advances with each accepted token; when the grammar can take no further token it is
 stopped, and the request ends with "stop". An `ebnf` grammar is Lark (llguidance's dialect, which

@@ -374,13 +374,13 @@ def sample(
     if info.is_all_greedy and _only_grammar(info):
         next_ids = _greedy_with_grammar(logits, info, kernels)
     elif info.is_all_greedy:
-        next_ids = greedy_argmax(apply_logit_processors(logits, info, kernels))
+        next_ids = greedy_argmax(apply_logit_processors(logits, info, kernels), kernels)
     else:
         processed = apply_logit_processors(logits, info, kernels)
         if info.sample_rows is None:
             next_ids = _sample_rows(processed, info)
         else:
-            next_ids = greedy_argmax(processed)
+            next_ids = greedy_argmax(processed, kernels)
             next_ids[info.sample_rows] = _sample_rows(processed[info.sample_rows], info)
     if not need_logprobs:
         return SampleOutput(next_ids, torch.zeros(len(next_ids)), None)
@@ -399,16 +399,26 @@ def _greedy_with_grammar(
     next_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     free = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     free[rows] = False
-    next_ids[free] = greedy_argmax(logits[free])
+    next_ids[free] = greedy_argmax(logits[free], kernels)
     next_ids[rows] = masked_argmax(logits, masks, rows, kernels)
     return next_ids
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: `logits.argmax(dim=-1)` of [R, V], the same index on ties (the first). The
-    first block holding a row's maximum holds its first occurrence; a last block past V reads
-    index V - 1 again, after the real one, so it never wins a tie."""
+def greedy_argmax(logits: torch.Tensor, kernels: Any | None = None) -> torch.Tensor:
+    """int64 [R]: `logits.argmax(dim=-1)` of [R, V], the same index on ties (the first). With
+    sluice's CPU kernels, float32 logits take `argmax_rows` (one thread: two preempted torch
+    threads were several times slower under load). Otherwise by blocks: the first block holding
+    a row's maximum holds its first occurrence; a last block past V reads index V - 1 again,
+    after the real one, so it never wins a tie."""
     rows, vocab = logits.shape
+    if (
+        kernels is not None
+        and rows > 0
+        and vocab > 0
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+    ):
+        return kernels.argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())
     num_blocks = -(-vocab // ARGMAX_BLOCK)
     if logits.device.type != "cpu" or num_blocks < 2 or rows == 0:
         return logits.argmax(dim=-1)

@@ -452,3 +452,15 @@ def test_a_kernel_builds_once_and_fresh_processes_load_it_without_the_builder(
 def test_a_fresh_process_loads_the_built_kernels_without_the_builder(native_ops) -> None:
     out = _output(_build_in_fresh_process("real", "", "no-builder"))
     assert f"ANSWER {native_ops.attention_head_dims}" in out and "building" not in out, out
+
+
+def test_argmax_rows_refuses_what_it_cannot_take(ops) -> None:
+    refusals = [
+        (torch.randn(2, 70).double(), "float32"),
+        (torch.randn(70, 2).t(), "contiguous rows"),
+        (torch.randn(70), "2-D"),
+        (torch.randn(2, 0), "rows of 0 logits"),
+    ]
+    for x, message in refusals:
+        with pytest.raises(RuntimeError, match=message):
+            ops.argmax_rows(x)

@@ -354,10 +354,10 @@ def test_grammar_rows_sample_the_same_tokens_with_or_without_the_kernels(with_pe
 
 
 @pytest.mark.parametrize("vocab", [1024 * 3, 1024 * 3 + 5, 1500, 700])
-def test_greedy_argmax_is_torch_argmax_with_its_tie_break(vocab):
-    """By blocks (`ARGMAX_BLOCK` 1024), the same index as torch.argmax, the first on ties:
-    within a block, across blocks, in a short last block, on rows of -inf with a few allowed
-    tokens (a grammar's mask), and on a non-contiguous view."""
+def test_greedy_argmax_is_torch_argmax_with_its_tie_break(vocab, kernels):
+    """By blocks (`ARGMAX_BLOCK` 1024) or by the CPU kernel (`argmax_rows`), the same index as
+    torch.argmax, the first on ties: within a block, across blocks, in a short last block, on
+    rows of -inf with a few allowed tokens (a grammar's mask), and on non-contiguous views."""
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(8, vocab, generator=g)
     x[1, [5, 600]] = 9.0  # a tie within the first block
@@ -367,7 +367,8 @@ def test_greedy_argmax_is_torch_argmax_with_its_tie_break(vocab):
     x[4, [vocab // 2, vocab - 2]] = 1.0  # only two allowed, tied
     x[5] = 0.0  # every token tied: index 0
     x[6, -3:] = 9.0  # a tie inside the last block
-    for logits in (x, x[:, :-1], x[::2]):
-        got = sampler.greedy_argmax(logits)
+    x[7, :] = float("-inf")  # nothing allowed at all: index 0
+    for logits in (x, x[:, :-1], x[::2], x.t().contiguous().t()):
+        got = sampler.greedy_argmax(logits, kernels)
         assert got.dtype == torch.int64
         assert got.tolist() == logits.argmax(dim=-1).tolist()

@@ -1038,6 +1038,34 @@ at::Tensor masked_argmax(const at::Tensor& logits, const at::Tensor& masks,
   return out;
 }
 
+// int64 [R]: the first index of each row's maximum, as torch.argmax for logits without NaN;
+// one thread, like the masked argmax above (the sampler calls it with the GIL released)
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "argmax_rows: logits must be 2-D float32 with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(V > 0, "argmax_rows: rows of 0 logits have no argmax");
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t full = V / W * W;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = xp + r * stride;
+    vf best = ninf_vf();
+    for (int64_t t = 0; t < full; t += W) {
+      const vf v = load(x + t);
+      best = v > best ? v : best;
+    }
+    float b = best[0];
+    for (int i = 1; i < W; ++i) b = std::max(b, best[i]);
+    for (int64_t t = full; t < V; ++t) b = std::max(b, x[t]);
+    int64_t at = 0;
+    while (at < V - 1 && x[at] != b) ++at;
+    op[r] = at;
+  }
+  return out;
+}
+
 // -inf, in place, on the tokens each mask row does not allow in its logits row
 void grammar_mask_(at::Tensor& logits, const at::Tensor& masks,
                    const std::optional<at::Tensor>& rows) {
@@ -1062,6 +1090,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_);
   m.def("masked_argmax", &masked_argmax, pybind11::arg("logits"), pybind11::arg("masks"),
         pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, pybind11::arg("logits"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("grammar_mask_", &grammar_mask_, pybind11::arg("logits"), pybind11::arg("masks"),
         pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("small_linear_max_rows") = SMALL_LINEAR_MAX_ROWS;

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from sluice.server.errors import APIError, error_frame, error_response, validation_error
 from sluice.server.logprobs import TokenText
 from sluice.server.metrics import RequestTracker, ServerMetrics
-from sluice.server.sse import DONE_FRAME, KEEPALIVE_FRAME, SSEResponse, sse_data
+from sluice.server.sse import DONE_FRAME, KEEPALIVE_FRAME, FrameTemplate, SSEResponse, sse_data
 from sluice.tokenizer.generate_input import GenerateReqInput
 
 M = TypeVar("M", bound=BaseModel)
@@ -284,6 +284,8 @@ class ResponseState:
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> latest meta_info
     started: set[int] = field(default_factory=set)  # indexes that sent their first chunk
     extra: dict[str, Any] = field(default_factory=dict)  # route-specific (echo prompts, ...)
+    # index -> the frame of its plain text chunks (a stream's most frequent frame)
+    text_frames: dict[int, FrameTemplate] = field(default_factory=dict)
 
     def usage(self) -> dict[str, Any]:
         return make_usage(self.metas, self.n)

@@ -26,7 +26,9 @@ use by `vllm_server.py`) serves sluice's Hugging Face copy of the same GGUF in b
 recommends on CPU; it takes about two minutes to start. Prints per workload a table of the
 systems with output tok/s, req/s, TTFT and inter-token latency percentiles, and the ratios
 sluice-server / llama-server, sluice-server / vLLM and sluice-server / sluice-Engine (the Engine
-skips the single-stream workload: it would batch its requests).
+skips the single-stream workload: it would batch its requests). For each sluice server run it
+also prints the CPU milliseconds per output token of each server process (http, scheduler,
+detokenizer, ...: `proc_cpu.py`) and of the client (this process) over the measured requests.
 
     .venv/bin/python benchmarks/serving.py [--workloads single-stream,decode-heavy,mixed,shared-prefix]
         [--num-requests N] [--concurrency 32] [--skip-llama-server] [--skip-vllm] [--skip-engine]
@@ -53,6 +55,9 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import proc_cpu  # noqa: E402  (beside this file)
+
 WORDS = (
     "the of and to in is was for on that with as by at from his her are were this which be or "
     "river mountain engine lantern quietly carefully number garden window story music silver "
@@ -124,6 +129,9 @@ class Result:
     failed: int = 0
     ttfts: list[float] = field(default_factory=list)  # empty for the Engine
     itls: list[float] = field(default_factory=list)
+    # process name (sluice's title: http, scheduler, detokenizer, ...; "client": this one) ->
+    # CPU ms per output token over the measured run; sluice's server runs only
+    cpu_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def tok_s(self) -> float:
@@ -288,22 +296,28 @@ def _completed(stats: list[RequestStats | None]) -> list[RequestStats]:
     return [s for s in stats if s is not None]
 
 
-def measure_http(system: str, base_url: str, wl: Workload, prompts, warm, concurrency) -> Result:
+def measure_http(
+    system: str, base_url: str, wl: Workload, prompts, warm, concurrency, pid: int | None = None
+) -> Result:
+    """`pid`: the server's, whose process tree's CPU time is measured (cpu_ms)."""
     concurrency = wl.clients or concurrency
     asyncio.run(_drive(base_url, warm, wl if wl.kind == "embedding" else WARMUP_OUTPUT, len(warm)))
+    meter = None if pid is None else proc_cpu.TreeCpu(pid)
     stats, errors, elapsed = asyncio.run(_drive(base_url, prompts, wl, concurrency))
     stats = _completed(stats)
+    num_tokens = sum(s.output_tokens for s in stats)
     for err in errors[:3]:
         print(f"  {system}: request failed: {err}", flush=True)
     return Result(
         system=system,
         num_requests=len(prompts),
         elapsed=elapsed,
-        output_tokens=sum(s.output_tokens for s in stats),
+        output_tokens=num_tokens,
         wrong_count=sum(s.output_tokens != wl.output_len for s in stats),
         failed=len(errors),
         ttfts=[s.ttft for s in stats],
         itls=[gap for s in stats for gap in s.itls],
+        cpu_ms={} if meter is None else meter.ms_per(num_tokens),
     )
 
 
@@ -391,13 +405,21 @@ def run_server(name, cmd, health_path, port, workloads, prompts, warm, concurren
     results = {}
     if not name.startswith("sluice"):
         workloads = [wl for wl in workloads if wl.kind == "completion"]
-    with ServerProcess(name, cmd, base_url, health_path, env):
+    with ServerProcess(name, cmd, base_url, health_path, env) as server:
+        pid = server.proc.pid if name.startswith("sluice") else None
         for wl in workloads:
-            res = measure_http(name, base_url, wl, prompts[wl.name], warm[wl.name], concurrency)
+            res = measure_http(
+                name, base_url, wl, prompts[wl.name], warm[wl.name], concurrency, pid
+            )
             print(
                 f"  {name} {wl.name}: {res.tok_s:.1f} output tok/s, {res.req_s:.2f} req/s",
                 flush=True,
             )
+            if res.cpu_ms:
+                print(
+                    f"  {name} {wl.name}: CPU ms per output token: {proc_cpu.describe(res.cpu_ms)}",
+                    flush=True,
+                )
             results[wl.name] = res
     return results
 

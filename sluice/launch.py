@@ -45,6 +45,7 @@ from sluice.server.peers import Peers
 from sluice.tokenizer.embedding_manager import EncoderManager, EncoderSpec, plan_encoders
 from sluice.tokenizer.main_model import MainModel
 from sluice.utils import ipc
+from sluice.utils.event_loop import run_loop
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +349,7 @@ def launch_server(args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         _check_port_free(args.host, args.port)  # before minutes of model loading, not after
-        return asyncio.run(_serve(args))
+        return run_loop(_serve(args))
     except StartupError as e:
         logger.error("%s", e)
         return 1
@@ -397,7 +398,7 @@ async def _serve(args: ServerArgs) -> int:
         app = _create_app(tm, args, procs.embedders, procs.peers)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=5, loop="none",  # the loop is run_loop's
         )  # fmt: skip
         server = _Server(config, early)
         from sluice.server.shutdown import GracefulShutdown  # the HTTP layer, only here

@@ -33,6 +33,7 @@ from sluice.tokenizer.encoder_frontend import EncoderFrontend
 from sluice.tokenizer.main_model import MainModel
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.utils import ipc
+from sluice.utils.event_loop import run_loop
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def run_http_worker(
     ipc.exit_on_stop_signal()
     worker = _Worker(index, args, cfg, addrs, encoders, start_conn)
     try:
-        asyncio.run(worker.serve(ready_conn))
+        run_loop(worker.serve(ready_conn))
     except BaseException:
         if not worker.reported:
             ipc.report_ready(ready_conn, ReadyMsg(title, error=traceback.format_exc()))
@@ -122,7 +123,9 @@ class _Worker:
         peers = Peers(self.index, addrs.peers)
         try:
             app = create_app(tm, args, embedders=embedders, peers=peers)
-            config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+            config = uvicorn.Config(
+                app, log_level=args.log_level, timeout_graceful_shutdown=5, loop="none"
+            )  # the loop is run_loop's
             server = WorkerServer(config)
             drain = GracefulShutdown(server, tm, args.shutdown_timeout, embedders)
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from sluice.server.errors import APIError, error_frame, error_response, validation_error
 from sluice.server.logprobs import TokenText
 from sluice.server.metrics import RequestTracker, ServerMetrics
-from sluice.server.sse import DONE_FRAME, KEEPALIVE_FRAME, SSEResponse, sse_data
+from sluice.server.sse import DONE_FRAME, KEEPALIVE_FRAME, FrameTemplate, SSEResponse, sse_data
 from sluice.tokenizer.generate_input import GenerateReqInput
 
 M = TypeVar("M", bound=BaseModel)
@@ -134,35 +134,27 @@ def _has_lone_surrogate(data: Any) -> bool:
 
 
 class OutputStream:
-    """The TokenizerManager's generator, advanced in a task so a timeout never cancels it.
+    """The TokenizerManager's generator of one request. A stream's generator is made with its
+    keep-alive `tick`, and yields None whenever tick seconds pass without an update (the
+    manager's own timer: no task or wait_for per item).
 
-    Owns the generator: `aclose` (idempotent) cancels a pending fetch and closes it, which is
-    what makes the TokenizerManager abort the request.
+    Owns the generator: `aclose` (idempotent) closes it, which is what makes the
+    TokenizerManager abort the request.
     """
 
-    def __init__(self, gen: AsyncIterator[dict[str, Any]]) -> None:
+    def __init__(self, gen: AsyncIterator[dict[str, Any] | None]) -> None:
         self._gen = gen
-        self._pending: asyncio.Future[dict[str, Any]] | None = None
         self._buffer: list[dict[str, Any]] = []
         self._exhausted = False
 
-    async def _fetch(self, timeout: float | None) -> tuple[bool, dict[str, Any] | None]:
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(anext(self._gen))
-        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-        if not done:
-            return False, None
-        fut, self._pending = self._pending, None
-        return True, fut.result()
-
-    async def prime(self, timeout: float) -> None:
-        """Wait up to `timeout` for the first item; errors raised before it propagate here."""
+    async def prime(self) -> None:
+        """Wait for the first item or tick; errors raised before it propagate here."""
         try:
-            ready, item = await self._fetch(timeout)
+            item = await anext(self._gen)
         except StopAsyncIteration:
             self._exhausted = True
             return
-        if ready and item is not None:
+        if item is not None:
             self._buffer.append(item)
 
     def rejected(self) -> APIError | None:
@@ -179,25 +171,16 @@ class OutputStream:
                 return err
         return None
 
-    async def items(self, tick: float | None) -> AsyncIterator[dict[str, Any] | None]:
-        """The items; None whenever `tick` seconds pass without one (never when tick is None)."""
+    async def items(self) -> AsyncIterator[dict[str, Any] | None]:
+        """The items, and a None at each tick of a stream's generator."""
         while self._buffer:
             yield self._buffer.pop(0)
-        while not self._exhausted:
-            try:
-                ready, item = await self._fetch(tick)
-            except StopAsyncIteration:
-                self._exhausted = True
-                return
-            yield item if ready else None
+        if not self._exhausted:
+            async for item in self._gen:
+                yield item
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
-            if self._pending is not None:
-                pending, self._pending = self._pending, None
-                pending.cancel()
-                with suppress(BaseException):
-                    await pending
             await self._gen.aclose()  # type: ignore[attr-defined]
 
 
@@ -218,10 +201,10 @@ async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, Respo
                     await t
 
 
-async def prime_until_disconnect(request: Request, stream: OutputStream, timeout: float) -> bool:
-    """`stream.prime(timeout)`, unless the client disconnects first (then False): a stream
-    still queued or in prefill is aborted at once, not after the first keepalive."""
-    primer = asyncio.ensure_future(stream.prime(timeout))
+async def prime_until_disconnect(request: Request, stream: OutputStream) -> bool:
+    """`stream.prime()`, unless the client disconnects first (then False): a stream still
+    queued or in prefill is aborted at once, not after the first keepalive."""
+    primer = asyncio.ensure_future(stream.prime())
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({primer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -284,6 +267,8 @@ class ResponseState:
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> latest meta_info
     started: set[int] = field(default_factory=set)  # indexes that sent their first chunk
     extra: dict[str, Any] = field(default_factory=dict)  # route-specific (echo prompts, ...)
+    # index -> the frame of its plain text chunks (a stream's most frequent frame)
+    text_frames: dict[int, FrameTemplate] = field(default_factory=dict)
 
     def usage(self) -> dict[str, Any]:
         return make_usage(self.metas, self.n)
@@ -313,11 +298,10 @@ class OpenAIServingBase:
             obj = await self.convert(req)
             state = self.new_state(req, obj)
             await self.prepare(req, state)
-            stream = OutputStream(self.tm.generate_request(obj))
+            tick = self.ctx.keepalive_interval if obj.stream else None
+            stream = OutputStream(self.tm.generate_request(obj, tick))
             if obj.stream:
-                if not await prime_until_disconnect(
-                    raw_request, stream, self.ctx.keepalive_interval
-                ):
+                if not await prime_until_disconnect(raw_request, stream):
                     await stream.aclose()
                     return Response(status_code=CLIENT_CLOSED)
                 rejected = stream.rejected()
@@ -349,7 +333,7 @@ class OpenAIServingBase:
 
     async def sse_body(self, state: ResponseState, stream: OutputStream) -> AsyncIterator[str]:
         try:
-            async for item in stream.items(self.ctx.keepalive_interval):
+            async for item in stream.items():
                 if item is None:
                     yield KEEPALIVE_FRAME
                     continue
@@ -368,7 +352,7 @@ class OpenAIServingBase:
     async def collect_response(self, state: ResponseState, stream: OutputStream) -> Response:
         finals: dict[int, dict[str, Any]] = {}
         try:
-            async for item in stream.items(None):
+            async for item in stream.items():
                 if item is not None:
                     finals[item["index"]] = item
                     state.metas[item["index"]] = item["meta_info"]

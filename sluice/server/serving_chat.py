@@ -21,7 +21,7 @@ from sluice.server.errors import APIError
 from sluice.server.logprobs import chat_logprobs
 from sluice.server.protocol import ChatCompletionRequest
 from sluice.server.serving_base import OpenAIServingBase, ResponseState, finish_reason, new_rid
-from sluice.server.sse import sse_data
+from sluice.server.sse import FrameTemplate, sse_data
 from sluice.server.tool_grammar import forced_call_grammar
 from sluice.server.tool_parser import MARKERS
 from sluice.tokenizer import chat
@@ -170,6 +170,25 @@ class OpenAIServingChat(OpenAIServingBase):
         reason: str | None = None,
         matched: int | str | None = None,
     ) -> str:
+        if logprobs is None and reason is None and len(delta) == 1 and "content" in delta:
+            content = delta["content"]
+            if isinstance(content, str):  # the frame of nearly every token
+                template = state.text_frames.get(index)
+                if template is None:
+                    template = FrameTemplate(lambda t: self._body(state, index, {"content": t}))
+                    state.text_frames[index] = template
+                return template.frame(content)
+        return sse_data(self._body(state, index, delta, logprobs, reason, matched))
+
+    def _body(
+        self,
+        state: ResponseState,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+        reason: str | None = None,
+        matched: int | str | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": index,
             "delta": delta,
@@ -182,7 +201,7 @@ class OpenAIServingChat(OpenAIServingBase):
         body["choices"] = [choice]
         if state.include_usage:
             body["usage"] = None
-        return sse_data(body)
+        return body
 
     def usage_chunk(self, state: ResponseState, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.chunk_head(state, CHUNK), "choices": [], "usage": usage}

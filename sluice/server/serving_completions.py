@@ -13,7 +13,7 @@ from sluice.server.errors import APIError, as_api_error
 from sluice.server.logprobs import legacy_logprobs, merge_legacy
 from sluice.server.protocol import CompletionRequest
 from sluice.server.serving_base import OpenAIServingBase, ResponseState, finish_reason, new_rid
-from sluice.server.sse import sse_data
+from sluice.server.sse import FrameTemplate, sse_data
 from sluice.tokenizer.generate_input import GenerateReqInput
 
 OBJECT = "text_completion"
@@ -121,6 +121,23 @@ class OpenAIServingCompletion(OpenAIServingBase):
         reason: str | None,
         finish: dict[str, Any] | None = None,
     ) -> str:
+        if logprobs is None and reason is None:  # the frame of nearly every token
+            template = state.text_frames.get(index)
+            if template is None:
+                template = FrameTemplate(lambda t: self._body(state, index, t, None, None))
+                state.text_frames[index] = template
+            return template.frame(text)
+        return sse_data(self._body(state, index, text, logprobs, reason, finish))
+
+    def _body(
+        self,
+        state: ResponseState,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        reason: str | None,
+        finish: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": index,
             "text": text,
@@ -132,7 +149,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         body = {**self.chunk_head(state, OBJECT), "choices": [choice]}
         if state.include_usage:
             body["usage"] = None
-        return sse_data(body)
+        return body
 
     def usage_chunk(self, state: ResponseState, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.chunk_head(state, OBJECT), "choices": [], "usage": usage}

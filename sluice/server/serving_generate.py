@@ -72,10 +72,10 @@ class ServingGenerate:
             self.ctx.check_ready()
             obj = self.convert(req)
             is_list = not obj.is_single or _num_samples(obj.sampling_params) > 1
-            stream = OutputStream(self.ctx.tokenizer_manager.generate_request(obj))
+            tick = self.ctx.keepalive_interval if obj.stream else None
+            stream = OutputStream(self.ctx.tokenizer_manager.generate_request(obj, tick))
             if obj.stream:
-                keepalive = self.ctx.keepalive_interval
-                if not await prime_until_disconnect(raw_request, stream, keepalive):
+                if not await prime_until_disconnect(raw_request, stream):
                     await stream.aclose()
                     return Response(status_code=CLIENT_CLOSED)
                 rejected = stream.rejected()  # e.g. a grammar that does not compile: its 4xx
@@ -108,7 +108,7 @@ class ServingGenerate:
         tracker = self.ctx.metrics.track()
         metas: dict[int, dict[str, Any]] = {}
         try:
-            async for item in stream.items(self.ctx.keepalive_interval):
+            async for item in stream.items():
                 if item is None:
                     yield KEEPALIVE_FRAME
                     continue
@@ -126,7 +126,7 @@ class ServingGenerate:
         finals: dict[int, dict[str, Any]] = {}
         tracker = self.ctx.metrics.track()
         try:
-            async for item in stream.items(None):
+            async for item in stream.items():
                 if item is not None:
                     finals[item["index"]] = item
         finally:

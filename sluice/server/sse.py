@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from json.encoder import encode_basestring  # what json.dumps(str, ensure_ascii=False) calls
 from typing import Any
 
 import anyio
@@ -22,6 +23,28 @@ KEEPALIVE_FRAME = ": keep-alive\n\n"
 
 def sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# stands for the text in a FrameTemplate's body: noncharacters, which no text is meant to hold
+_SLOT = "\ufdd0sluice-text\ufdd1"
+_SLOT_JSON = encode_basestring(_SLOT)
+
+
+class FrameTemplate:
+    """The frames of chunks that differ only in one text field (a stream's text or content
+    deltas): `frame(text)` is `sse_data(make_body(text))`, byte for byte, built as head + the
+    JSON string of `text` + tail, serialized once. Should the head hold the slot's marker
+    itself (a client's rid could), every frame takes `sse_data` instead."""
+
+    def __init__(self, make_body: Callable[[str], Any]) -> None:
+        self._make_body = make_body
+        parts = sse_data(make_body(_SLOT)).split(_SLOT_JSON)
+        self._parts = (parts[0], parts[1]) if len(parts) == 2 else None
+
+    def frame(self, text: str) -> str:
+        if self._parts is None:
+            return sse_data(self._make_body(text))
+        return self._parts[0] + encode_basestring(text) + self._parts[1]
 
 
 class SSEResponse(StreamingResponse):

@@ -61,7 +61,9 @@ class EncoderFrontend(OwnsClient):  # its health: its manager's client's
             param="model",
         )
 
-    def generate_request(self, obj: Any) -> AsyncIterator[dict[str, Any]]:
+    def generate_request(
+        self, obj: Any, tick: float | None = None
+    ) -> AsyncIterator[dict[str, Any] | None]:
         """Refuses at the call, before any stream exists (the routes answer 400)."""
         raise self._cannot_generate()
 

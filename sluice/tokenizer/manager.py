@@ -3,7 +3,9 @@
 A GenerateReqInput is normalized into (prompt, sample) items, tokenized off the event loop,
 validated, and sent to the scheduler as one message (a BatchTokenizedGenerateReqInput when it
 holds several items). Text comes back from the detokenizer as BatchStrOutput and is merged into
-one ReqState per rid; `generate_request` yields one dict per update of an item.
+one ReqState per rid; `generate_request` yields one dict per update of an item (and, for a
+stream, None at each keep-alive tick: `Updates` in req_state.py, one timer per call rather than
+a wait_for per token).
 
 Ownership: `rid_to_state` holds exactly the rids of live `generate_request` calls. A state is
 removed when its finish arrives, when it is aborted here (/abort_request, shutdown), and again
@@ -72,7 +74,7 @@ from sluice.tokenizer.normalize import (
     normalize,
     queue_full_error,
 )
-from sluice.tokenizer.req_state import ReqState, merge_update, output_dict
+from sluice.tokenizer.req_state import ReqState, Updates, merge_update, output_dict
 from sluice.tokenizer.tokenizer_thread import INLINE_MAX_CHARS, TokenizerThread
 from sluice.utils import ipc
 
@@ -149,41 +151,39 @@ class TokenizerManager(OwnsClient):
 
     # ---- generation -----------------------------------------------------------------------
 
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+    async def generate_request(
+        self, obj: GenerateReqInput, tick: float | None = None
+    ) -> AsyncIterator[dict[str, Any] | None]:
         """Yields one dict per update of one item (see module docstring); with stream=False
-        only each item's final dict. Raises RequestError before anything is sent."""
+        only each item's final dict; with `tick`, also None whenever `tick` seconds pass
+        without one (a stream's keep-alive), from the start on. Raises RequestError before
+        anything is sent."""
         self.client.check_healthy()
         self._check_accepting()
         items = normalize(obj)
         self._check_admission(len(items))
-        states = self._register(items, obj)
+        states = self._register(items, obj, tick)
+        updates = states[0].updates
+        # ending every item here cancels it (`_finish_here`: an abort while the images are
+        # fetched or processed ends at once)
+        task = asyncio.ensure_future(self._build_reqs(items, obj, states))
+        for state in states:
+            state.preparing = task
         try:
-            reqs = await self._prepare(items, obj, states)
+            while not await updates.wait_done(task):
+                yield None
+            reqs = _prepared(task, states)
             self.client.check_healthy()
             self._send_unfinished(reqs, states)  # an item aborted while tokenizing stays here
             async for out in self._wait(states, obj.stream):
                 yield out
         finally:
+            if not task.done():
+                task.cancel()  # this call ended while its prompts were prepared
+            elif not task.cancelled():
+                task.exception()  # retrieved, however the call ended
             self._release(states)
-
-    async def _prepare(
-        self, items: list[Item], obj: GenerateReqInput, states: list[ReqState]
-    ) -> list[TokenizedGenerateReqInput] | None:
-        """`_build_reqs` as a task that ending every item here cancels (`_finish_here`: an
-        abort while the images are fetched or processed ends at once); None when it was."""
-        task = asyncio.ensure_future(self._build_reqs(items, obj, states))
-        for state in states:
-            state.preparing = task
-        try:
-            return await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise  # this call itself is cancelled (a client disconnect)
-            return None
-        finally:
-            for state in states:
-                state.preparing = None
+            updates.close()
 
     def _send_unfinished(
         self, reqs: list[TokenizedGenerateReqInput] | None, states: list[ReqState]
@@ -219,11 +219,13 @@ class TokenizerManager(OwnsClient):
             self.counters.rejected["queue_full"] += 1
             raise err
 
-    def _register(self, items: list[Item], obj: GenerateReqInput) -> list[ReqState]:
+    def _register(
+        self, items: list[Item], obj: GenerateReqInput, tick: float | None
+    ) -> list[ReqState]:
         for item in items:
             if item.rid in self.rid_to_state or item.rid in self.awaiting_echo:
                 raise RequestError(f"a request with id {item.rid!r} is in flight", param="rid")
-        updates: asyncio.Queue[ReqState] = asyncio.Queue()
+        updates = Updates(tick)
         group_rid = obj.rid if isinstance(obj.rid, str) else None
         states = [ReqState(it.rid, group_rid, it.index, updates) for it in items]
         for state in states:
@@ -343,11 +345,16 @@ class TokenizerManager(OwnsClient):
                 param="max_new_tokens",
             )
 
-    async def _wait(self, states: list[ReqState], stream: bool) -> AsyncIterator[dict[str, Any]]:
+    async def _wait(
+        self, states: list[ReqState], stream: bool
+    ) -> AsyncIterator[dict[str, Any] | None]:
         updates = states[0].updates
         remaining = len(states)
         while remaining:
             state = await updates.get()
+            if state is None:  # a keep-alive tick
+                yield None
+                continue
             state.queued = False
             if state.finished:
                 remaining -= 1
@@ -523,6 +530,15 @@ class TokenizerManager(OwnsClient):
         if num_chars <= INLINE_MAX_CHARS and self._executor.is_idle():
             return fn(*args)
         return await self._run(fn, *args)
+
+
+def _prepared(
+    task: asyncio.Future[list[TokenizedGenerateReqInput]], states: list[ReqState]
+) -> list[TokenizedGenerateReqInput] | None:
+    """The requests `task` built (its error raised here); None when it was cancelled."""
+    for state in states:
+        state.preparing = None
+    return None if task.cancelled() else task.result()
 
 
 def _session_params(params: dict[str, Any] | None) -> SessionParams | None:

@@ -1,4 +1,5 @@
-"""ReqState: what the HTTP process knows of one live rid, and how updates fold into it.
+"""ReqState: what the HTTP process knows of one live rid, and how updates fold into it; Updates:
+how the consumer of one generate_request call learns of them.
 
 The dicts handed to `generate_request`'s consumer are built here (`output_dict`); their format
 is the TokenizerManager's contract with the HTTP layer.
@@ -8,12 +9,100 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.messages import BatchStrOutput, FinishReason
 
 _FINISH_FIELDS = FinishReason.__struct_fields__
+# a keep-alive timer that fires this close to its deadline counts as on time (uvloop's timers
+# are in whole milliseconds)
+_TIMER_SLACK_S = 0.002
+
+
+class Updates:
+    """The news of one generate_request call for its one consumer: the states that have some,
+    in the order they got it (each at most once: `ReqState.queued`); with `tick`, the consumer
+    also gets None whenever it waited `tick` seconds with no news (a stream's keep-alive).
+
+    Per update this costs an append and, when the consumer is waiting, one future: no task and
+    no wait_for per token. The keep-alive is one timer handle, left armed while news comes: when
+    it fires before the current wait's deadline (the deadline moved on since it was armed) it
+    re-arms itself for that deadline, so a busy stream sees one timer event per `tick`.
+    """
+
+    def __init__(self, tick: float | None = None) -> None:
+        self.tick = tick
+        self._ready: deque[ReqState] = deque()
+        self._waiter: asyncio.Future[bool] | None = None  # the consumer's, while it waits
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # loop time at which the waiting consumer gets a tick
+
+    def put(self, state: ReqState) -> None:
+        self._ready.append(state)
+        self._wake()
+
+    async def get(self) -> ReqState | None:
+        """The next state with news; None when `tick` seconds passed without any."""
+        if self._ready:
+            return self._ready.popleft()
+        loop = asyncio.get_running_loop()
+        self._arm(loop)
+        while True:
+            ticked = await self._sleep(loop)
+            if self._ready:
+                return self._ready.popleft()
+            if ticked:
+                return None
+
+    async def wait_done(self, fut: asyncio.Future) -> bool:
+        """Whether `fut` is done, once it is or `tick` seconds passed (not done: False)."""
+        if fut.done():
+            return True
+        loop = asyncio.get_running_loop()
+        self._arm(loop)
+        fut.add_done_callback(self._wake)
+        try:
+            while not fut.done():
+                if await self._sleep(loop):
+                    return fut.done()
+            return True
+        finally:
+            fut.remove_done_callback(self._wake)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.tick is None:
+            return
+        self._deadline = loop.time() + self.tick
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._on_timer, loop)
+
+    async def _sleep(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Until woken (True: by the keep-alive deadline)."""
+        self._waiter = loop.create_future()
+        try:
+            return await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self, *_: object) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(False)
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        if self._waiter is None or self._waiter.done():
+            return  # nobody waits: the next wait arms it again
+        if loop.time() < self._deadline - _TIMER_SLACK_S:
+            self._timer = loop.call_at(self._deadline, self._on_timer, loop)
+        else:
+            self._waiter.set_result(True)
 
 
 @dataclass(eq=False)
@@ -23,9 +112,9 @@ class ReqState:
     rid: str
     group_rid: str | None  # the client's rid of the whole request, when it gave one
     index: int
-    # every state of one generate_request call shares this queue; a state is in it at most
-    # once (`queued`), and is put there whenever it has news for the consumer
-    updates: asyncio.Queue[ReqState]
+    # every state of one generate_request call shares these; a state is in them at most once
+    # (`queued`), and is put there whenever it has news for the consumer
+    updates: Updates
     created_time: float = field(default_factory=time.monotonic)
     prompt_ids: list[int] = field(default_factory=list)
     logprob_start_len: int = -1
@@ -50,7 +139,7 @@ class ReqState:
     def notify(self) -> None:
         if not self.queued:
             self.queued = True
-            self.updates.put_nowait(self)
+            self.updates.put(self)
 
     def finish(self, reason: FinishReason) -> None:
         self.finished = True

@@ -54,6 +54,11 @@ ENV_VARS: dict[str, EnvVar] = {
         "cudnn, flash, efficient, math (cuDNN is left out by default: it plans anew for every "
         "new shape, and a serving engine's shapes change every step)",
     ),
+    "SLUICE_UVLOOP": EnvVar(
+        "1",
+        "the HTTP processes run their event loop on uvloop when it is installed (it comes with "
+        "uvicorn[standard]); 0: asyncio's own loop",
+    ),
     "OMP_WAIT_POLICY": EnvVar(
         None,
         "OpenMP's own: read by the scheduler process before it sets its own policy "

@@ -115,14 +115,18 @@ class FakeTokenizerManager:
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         return None
 
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+    async def generate_request(
+        self, obj: GenerateReqInput, tick: float | None = None
+    ) -> AsyncIterator[dict[str, Any] | None]:
         self.requests.append(obj)
         if self.fail_with is not None:
             raise self.fail_with
         try:
             await asyncio.sleep(self.first_delay)
             while self.hang:
-                await asyncio.sleep(3600)
+                await asyncio.sleep(3600 if tick is None else tick)
+                if tick is not None:
+                    yield None  # the keep-alive tick of a stream
             for out in self._run(obj):
                 if obj.stream or out["meta_info"]["finish_reason"] is not None:
                     yield out

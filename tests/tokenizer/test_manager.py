@@ -147,6 +147,24 @@ def test_streaming_deltas_concatenate_to_final_text(serving: Serving) -> None:
         assert whole[0]["text"] == mine[-1]["text"]
 
 
+def test_a_tick_adds_keepalive_nones_and_changes_nothing_else(serving: Serving) -> None:
+    """With a tick far shorter than a step, Nones come between the updates (and while the
+    prompt is prepared and prefilled); the updates add up as those of a call without one."""
+    params = {**GREEDY, "max_new_tokens": 12}
+    obj = {"text": ["Let me tell you", "Why"], "sampling_params": params, "stream": True}
+
+    async def go() -> list[Any]:
+        return [o async for o in serving.tm.generate_request(GenerateReqInput(**obj), 0.0005)]
+
+    ticked = serving.run(go())
+    assert None in ticked[:2] and ticked[-1] is not None
+    plain = final(serving.collect(**obj))
+    for index in (0, 1):
+        mine = [o for o in ticked if o is not None and o["index"] == index]
+        assert "".join(o["delta"] for o in mine) == mine[-1]["text"] == plain[index]["text"]
+        assert mine[-1]["meta_info"]["finish_reason"] is not None
+
+
 def test_absent_max_new_tokens_fills_the_context(serving: Serving) -> None:
     ids = list(range(100, 100 + CONTEXT_LEN - 5))
     out = serving.collect(input_ids=ids, sampling_params={"ignore_eos": True})[0]

@@ -33,7 +33,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -42,6 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 from serving import (  # noqa: E402
     RequestStats,
     ServerProcess,
+    client_session,
     drive,
     free_port,
     percentile,
@@ -112,7 +112,7 @@ def run_load(url: str, payloads: list[bytes], concurrency: int) -> Run:
 async def _pairs(url: str, images: list[str]) -> tuple[list[float], list[float]]:
     """TTFT of each image's first request and of the same request right after it."""
     new, hit = [], []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
+    async with client_session() as client:
         for k, image in enumerate(images):
             payload = chat_payload(QUESTIONS[k % len(QUESTIONS)], image)
             new.append((await stream_request(client, url, payload)).ttft)

@@ -47,13 +47,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from serving import (  # noqa: E402
     RequestStats,
     ServerProcess,
+    client_session,
     drive,
     free_port,
     percentile,
@@ -194,7 +193,7 @@ async def _compile_times(url: str, corpus: list[dict], num_plain: int) -> Compil
     """One request at a time: each schema with a fresh `description` (cold), then again (warm)."""
     times = CompileTimes([], [], [], [], [])
     tag = uuid.uuid4().hex
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
+    async with client_session() as client:
         for _ in range(num_plain):
             plain = await stream_request(client, url, chat_payload(COMPILE_PROMPT, 1))
             times.plain.append(plain.ttft)

@@ -1,5 +1,8 @@
 """A real `python -m sluice serve` for end-to-end tests: start, poll its internal state, stop.
 
+A server started here gets SIGTERM when the test process dies (`die_with_parent`), so a killed
+pytest (Ctrl-C twice, the OOM killer) leaves no servers holding gigabytes behind it.
+
 `LiveServer.wait_idle` polls `/get_server_info` until no process holds any request state (with
 a deadline) and returns the last internal state, for the no-state-left-behind assertions.
 """
@@ -7,6 +10,7 @@ a deadline) and returns the last internal state, for the no-state-left-behind as
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -33,6 +37,12 @@ def long_context_tiny_llama(
     )
 
 
+def die_with_parent() -> None:
+    """A Popen `preexec_fn`: the child gets SIGTERM when this process dies (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,7 +66,9 @@ class LiveServer:
             cmd += ["--num-threads", str(num_threads)]
         with open(log, "w") as f:
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
+            )
         self.ps = psutil.Process(self.proc.pid)
 
     def wait_ready(self, timeout: float = 180) -> None:

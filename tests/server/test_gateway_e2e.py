@@ -35,7 +35,7 @@ import httpx
 import pytest
 
 from sluice.server.worker_info import model_info
-from tests.server.live_server import LiveServer, assert_no_state_left, metric
+from tests.server.live_server import LiveServer, assert_no_state_left, die_with_parent, metric
 from tests.tiny_models import make_tiny_llama
 
 CONTEXT_LEN = 1 << 17  # the tiny model's positions: KV of 256 bytes a token, 32 MiB in all
@@ -64,7 +64,9 @@ class Gateway:
             "--log-level", "info", "--shutdown-grace-period-secs", "1",
         ]  # fmt: skip
         with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
 
     def wait_registered(self, num_workers: int, timeout: float = 60) -> list[dict[str, Any]]:
         """Until the gateway lists `num_workers` healthy workers; their records."""

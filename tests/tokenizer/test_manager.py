@@ -148,16 +148,25 @@ def test_streaming_deltas_concatenate_to_final_text(serving: Serving) -> None:
 
 
 def test_a_tick_adds_keepalive_nones_and_changes_nothing_else(serving: Serving) -> None:
-    """With a tick far shorter than a step, Nones come between the updates (and while the
-    prompt is prepared and prefilled); the updates add up as those of a call without one."""
+    """While the scheduler is paused (so by construction nothing comes back), the call yields a
+    None per tick; resumed, the updates add up as those of a call without a tick."""
     params = {**GREEDY, "max_new_tokens": 12}
     obj = {"text": ["Let me tell you", "Why"], "sampling_params": params, "stream": True}
 
     async def go() -> list[Any]:
-        return [o async for o in serving.tm.generate_request(GenerateReqInput(**obj), 0.0005)]
+        got: list[Any] = []
+        serving.tm.set_paused(True)  # ordered before the request: one socket
+        try:
+            async for o in serving.tm.generate_request(GenerateReqInput(**obj), 0.01):
+                got.append(o)
+                if got == [None, None, None]:
+                    serving.tm.set_paused(False)
+        finally:
+            serving.tm.set_paused(False)
+        return got
 
     ticked = serving.run(go())
-    assert None in ticked[:2] and ticked[-1] is not None
+    assert ticked[:3] == [None, None, None] and ticked[-1] is not None
     plain = final(serving.collect(**obj))
     for index in (0, 1):
         mine = [o for o in ticked if o is not None and o["index"] == index]

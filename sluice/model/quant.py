@@ -16,6 +16,7 @@ minimum), with gguf's own quantizer, so they run on the same kernels.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.utils import envs
+from sluice.utils.system import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,12 @@ BLOCK_TYPES = {
     12: ("Q4_K", 144, 256), 14: ("Q6_K", 210, 256),
 }  # fmt: skip
 BLOCK_VALUES = 32  # values a block of the types quantized into at load (LOAD_TYPES)
+
+
+@functools.cache
+def has_amx_bf16() -> bool:
+    """Whether this CPU computes bfloat16 GEMMs with AMX tiles (oneDNN does, through torch)."""
+    return "amx_bf16" in cpu_flags()
 
 
 class QuantLinear(nn.Module):
@@ -116,11 +124,15 @@ class QuantLinear(nn.Module):
     def takes_packed(self, dtype: torch.dtype) -> bool:
         """Batches of many `dtype` rows go through the integer GEMM on repacked blocks: bfloat16
         x on the integer path, for the 32-value types, where the kernels have that GEMM
-        (AVX-512 VNNI; `ops.packed_types`). The K-quants keep a float copy."""
+        (AVX-512 VNNI; `ops.packed_types`), unless the CPU has AMX: there oneDNN's bfloat16
+        GEMM on a float copy is the faster one (Xeon model 167, `serving.py`: mixed 399 -> 478
+        output tok/s, shared-prefix 352 -> 390), and a decode batch past `KERNEL_MAX_ROWS` rows
+        rounds differently from a lone row. The K-quants keep a float copy."""
         return (
             dtype == torch.bfloat16
             and self.int8_activations
             and self.qtype in self.ops.packed_types
+            and not has_amx_bf16()
         )
 
     def keep_dense(self, dtype: torch.dtype, min_rows: int = KERNEL_MAX_ROWS + 1) -> None:

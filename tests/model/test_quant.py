@@ -34,6 +34,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from sluice.checkpoint.model_config import ModelConfig  # noqa: E402
+from sluice.model import quant as quant_module  # noqa: E402
 from sluice.model.kernels import QUANT_SOURCE, _build, quant_ops  # noqa: E402
 from sluice.model.quant import QuantLinear, QuantLinearParts, resolve_quantization  # noqa: E402
 from sluice.utils.system import cpu_flags  # noqa: E402
@@ -263,6 +264,7 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
     packed_ops, monkeypatch
 ) -> None:
     monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "1")
+    monkeypatch.setattr(quant_module, "has_amx_bf16", lambda: False)
     raw, _ = _blocks(40, 96, T.Q4_1)
     x = torch.randn(20, 96).bfloat16()
     layer = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
@@ -282,6 +284,12 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
     float32 = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
     float32.keep_dense(torch.float32, min_rows=16)
     assert float32.packed is None and float32.dense is not None
+    monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "1")
+    monkeypatch.setattr(quant_module, "has_amx_bf16", lambda: True)  # AMX: oneDNN's bfloat16 GEMM
+    amx = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
+    amx.keep_dense(torch.bfloat16, min_rows=16)
+    assert amx.packed is None and amx.dense is not None
+    assert torch.equal(amx(x[:2]), packed_ops.quant_linear(x[:2], raw, int(T.Q4_1), None, True))
 
 
 def test_int8_activations_leave_float32_x_exact(native_ops) -> None:

@@ -13,7 +13,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -272,6 +272,14 @@ class ResponseState:
 
     def usage(self) -> dict[str, Any]:
         return make_usage(self.metas, self.n)
+
+    def text_frame(self, index: int, text: str, make_body: Callable[[str], Any]) -> str:
+        """`sse_data(make_body(text))` for the plain text chunks of choice `index`, from the
+        frame serialized once for that choice (`FrameTemplate`)."""
+        template = self.text_frames.get(index)
+        if template is None:
+            template = self.text_frames[index] = FrameTemplate(make_body)
+        return template.frame(text)
 
 
 def new_rid() -> str:

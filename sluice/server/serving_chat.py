@@ -21,7 +21,7 @@ from sluice.server.errors import APIError
 from sluice.server.logprobs import chat_logprobs
 from sluice.server.protocol import ChatCompletionRequest
 from sluice.server.serving_base import OpenAIServingBase, ResponseState, finish_reason, new_rid
-from sluice.server.sse import FrameTemplate, sse_data
+from sluice.server.sse import sse_data
 from sluice.server.tool_grammar import forced_call_grammar
 from sluice.server.tool_parser import MARKERS
 from sluice.tokenizer import chat
@@ -173,11 +173,8 @@ class OpenAIServingChat(OpenAIServingBase):
         if logprobs is None and reason is None and len(delta) == 1 and "content" in delta:
             content = delta["content"]
             if isinstance(content, str):  # the frame of nearly every token
-                template = state.text_frames.get(index)
-                if template is None:
-                    template = FrameTemplate(lambda t: self._body(state, index, {"content": t}))
-                    state.text_frames[index] = template
-                return template.frame(content)
+                body = lambda t: self._body(state, index, {"content": t})  # noqa: E731
+                return state.text_frame(index, content, body)
         return sse_data(self._body(state, index, delta, logprobs, reason, matched))
 
     def _body(

@@ -13,7 +13,7 @@ from sluice.server.errors import APIError, as_api_error
 from sluice.server.logprobs import legacy_logprobs, merge_legacy
 from sluice.server.protocol import CompletionRequest
 from sluice.server.serving_base import OpenAIServingBase, ResponseState, finish_reason, new_rid
-from sluice.server.sse import FrameTemplate, sse_data
+from sluice.server.sse import sse_data
 from sluice.tokenizer.generate_input import GenerateReqInput
 
 OBJECT = "text_completion"
@@ -122,11 +122,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         finish: dict[str, Any] | None = None,
     ) -> str:
         if logprobs is None and reason is None:  # the frame of nearly every token
-            template = state.text_frames.get(index)
-            if template is None:
-                template = FrameTemplate(lambda t: self._body(state, index, t, None, None))
-                state.text_frames[index] = template
-            return template.frame(text)
+            return state.text_frame(index, text, lambda t: self._body(state, index, t, None, None))
         return sse_data(self._body(state, index, text, logprobs, reason, finish))
 
     def _body(

@@ -59,7 +59,8 @@ class QuantLinear(nn.Module):
     into a scratch weight at each call instead cost more than the GEMM it feeds. With bfloat16
     x on the integer path (below) and AVX-512 VNNI, the second copy is instead the blocks
     repacked for an integer GEMM (`packed_linear`, 1.25 bytes a weight against bfloat16's 2),
-    which rounds x as the per-row integer path does: a batch and a single row agree.
+    which rounds x as the per-row integer path does: a batch and a single row agree (except on
+    CPUs with AMX, where the float copy is kept: `takes_packed`).
 
     With bfloat16 x the kernel rounds each 32-value block of x to int8 with a float scale and
     takes integer dot products (VNNI where the CPU has it), as llama.cpp does: y then differs

@@ -414,7 +414,7 @@ def greedy_argmax(logits: torch.Tensor, kernels: Any | None = None) -> torch.Ten
     if (
         kernels is not None
         and rows > 0
-        and vocab > 0
+        and vocab > 1
         and logits.device.type == "cpu"
         and logits.dtype == torch.float32
     ):

@@ -37,10 +37,17 @@ def long_context_tiny_llama(
     )
 
 
+try:  # looked up here, in the parent: a forked child should only make the call
+    _prctl = ctypes.CDLL(None).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
 def die_with_parent() -> None:
-    """A Popen `preexec_fn`: the child gets SIGTERM when this process dies (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """A Popen `preexec_fn`: the child gets SIGTERM when the thread that started it ends (the
+    fixtures' main thread: so when pytest dies), on Linux; elsewhere nothing."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:

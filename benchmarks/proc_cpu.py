@@ -16,13 +16,17 @@ _TICKS_S = os.sysconf("SC_CLK_TCK")
 CLIENT = "client"  # this process, in TreeCpu's results
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after "(comm)" (which may itself hold spaces and parentheses):
+    field k of proc(5) is item k - 3; raises OSError when the process is gone."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of process `pid` (all its threads); raises OSError when it is gone."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    # the fields after "(comm)", which may itself hold spaces and parentheses
-    fields = stat[stat.rindex(")") + 2 :].split()
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
-    return (utime + stime) / _TICKS_S
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / _TICKS_S  # fields 14 and 15 of proc(5)
 
 
 def children(pid: int) -> list[int]:
@@ -62,10 +66,9 @@ def _all_pids() -> list[int]:
 
 def _parent(pid: int) -> int | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(_stat_fields(pid)[1])  # field 4 of proc(5)
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 class TreeCpu:

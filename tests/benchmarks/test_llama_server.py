@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.benchmarks import load_benchmark
 
 # /proc/cpuinfo flags lines, trimmed to what matters
 SAPPHIRE_RAPIDS = (
@@ -23,12 +23,7 @@ ZEN3 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 bmi2 fma f16c"
 
 @pytest.fixture(scope="module")
 def llama_server() -> ModuleType:
-    path = Path(__file__).parents[2] / "benchmarks" / "llama_server.py"
-    spec = importlib.util.spec_from_file_location("llama_server", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("llama_server")
 
 
 def _on(options: dict[str, str]) -> set[str]:

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.benchmarks import load_benchmark
+
 
 @pytest.fixture(scope="module")
 def proc_cpu() -> ModuleType:
-    path = Path(__file__).parents[2] / "benchmarks" / "proc_cpu.py"
-    spec = importlib.util.spec_from_file_location("proc_cpu", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("proc_cpu")
 
 
 def _burn(seconds: float) -> None:

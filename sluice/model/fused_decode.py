@@ -1,4 +1,4 @@
-"""FusedDecode: a decode step of a few rows through a llama decoder stack in one C++ call.
+"""FusedDecode: a decode step through a llama decoder stack in one C++ call.
 
 The per-op path (`LlamaModel.forward`) runs about ten kernels a layer, each behind
 `nn.Module.__call__`, pybind and ATen's dispatch; at one row that glue costs about as much as the
@@ -11,13 +11,17 @@ pool tensors, when the model is a llama stack whose linear layers are all GGUF b
 layer, no bias) on sluice's CPU kernels; otherwise the model keeps the per-op path alone, and the
 log says why. Per batch it takes decode steps of 1 to `max_rows` rows over its own KV cache
 (`supports`); every other batch (prefill, extend, more rows, another cache, a vision model's input
-embeddings) takes the per-op path. SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it
+embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps its
+blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs
+without AMX: DecodeLayers calls that GEMM as QuantLinear does); a float copy for many rows
+(float32, AMX CPUs, the K-quants) bounds it at the rows the block kernel computes. SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it
 off in place (benchmarks/decode_step.py compares the two in one process).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -86,9 +90,10 @@ def install_fused_decode(model: nn.Module, kv: KVCache) -> FusedDecode | None:
         logger.info("fused decode: off (%s)", reason)
         return None
     stack.fused_decode = FusedDecode(stack, kv, stack.norm.cpu_ops)  # why_not_fused: not None
+    max_rows = stack.fused_decode.max_rows
     logger.info(
-        "fused decode: decode steps of 1 to %d rows run all %d layers in one C++ call",
-        stack.fused_decode.max_rows, len(stack.layers),
+        "fused decode: decode steps of %s run all %d layers in one C++ call",
+        "any size" if max_rows == sys.maxsize else f"1 to {max_rows} rows", len(stack.layers),
     )  # fmt: skip
     return stack.fused_decode
 
@@ -119,15 +124,25 @@ def why_not_fused(stack: LlamaModel, kv: KVCache) -> str | None:
 
 
 def _max_rows(stack: LlamaModel) -> int:
-    """Rows every linear layer computes with its block kernel (more go to a dense copy)."""
-    rows = QuantLinear.KERNEL_MAX_ROWS
+    """Rows the fused path takes: any number while every linear layer computes them with its
+    blocks, or with the blocks repacked for the integer GEMM (`packed`, which DecodeLayers
+    calls too); a layer with a float copy for many rows (`dense`) bounds it below that copy's
+    rows."""
+    rows = sys.maxsize
     for layer in stack.layers:
         for name in _LINEARS:
             module = layer.get_submodule(name)
-            if module.dense is not None or module.packed is not None:
+            if module.dense is not None:
                 rows = min(rows, module.dense_min_rows - 1)
     return rows
 
 
-def _block_args(module: QuantLinear) -> tuple[torch.Tensor, int, int, bool]:
-    return module.qweight, module.qtype, module.in_features, module.int8_activations
+def _block_args(
+    module: QuantLinear,
+) -> tuple[torch.Tensor, int, int, bool, torch.Tensor | None, int]:
+    """DecodeLayers' view of a linear layer: its blocks, and the repacked copy it takes from
+    `dense_min_rows` rows on (bfloat16 only, as QuantLinear.forward)."""
+    return (
+        module.qweight, module.qtype, module.in_features, module.int8_activations,
+        module.packed, module.dense_min_rows,
+    )  # fmt: skip

@@ -10,6 +10,8 @@ state; then through the Engine on the default SmolLM2 GGUF, greedy tokens and lo
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from sluice.model.forward_batch import ForwardBatch, ForwardMode
 from sluice.model.fused_decode import FusedDecode, why_not_fused
 from sluice.model.kernels import quant_ops
 from sluice.model.kv_cache import KVCache
+from sluice.model.quant import QuantLinear
 from sluice.model.runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -54,12 +57,14 @@ def _batch(mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]) -
     )  # fmt: skip
 
 
-def _decode_both_ways(runner: ModelRunner, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(fused logits, per-op logits) of each decode step after a prefill of PROMPTS; each step
+def _decode_both_ways(
+    runner: ModelRunner, steps: int, prompts: list[list[int]] = PROMPTS
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fused logits, per-op logits) of each decode step after a prefill of `prompts`; each step
     runs fused first, then per-op over the same slots, and feeds on the per-op path's argmax."""
     fused = runner.fused_decode
-    logits = runner.forward(_batch(ForwardMode.EXTEND, PROMPTS, [0, 0]))
-    lens = [len(p) for p in PROMPTS]
+    logits = runner.forward(_batch(ForwardMode.EXTEND, prompts, [0] * len(prompts)))
+    lens = [len(p) for p in prompts]
     pairs = []
     for _ in range(steps):
         tokens = [[t] for t in logits.argmax(-1).tolist()]
@@ -74,12 +79,21 @@ def _decode_both_ways(runner: ModelRunner, steps: int) -> list[tuple[torch.Tenso
     return pairs
 
 
+def _takes_any_rows(runner: ModelRunner) -> bool:
+    """Whether the linear layers compute batches past the block kernel's rows with the integer
+    GEMM on repacked blocks (which DecodeLayers calls too), not with a float copy."""
+    return all(
+        m.dense is None for m in runner.model.modules() if isinstance(m, QuantLinear)
+    ) and any(m.packed is not None for m in runner.model.modules() if isinstance(m, QuantLinear))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantization", ["int4", "int8"])  # Q4_1, Q8_0 blocks
 def test_fused_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, dtype, quantization) -> None:
     runner = _runner(tiny_llama_dir, dtype, quantization)
     fused = runner.fused_decode
-    assert isinstance(fused, FusedDecode) and fused.max_rows == 8
+    assert isinstance(fused, FusedDecode)
+    assert fused.max_rows == (sys.maxsize if _takes_any_rows(runner) else 8)
     pairs = _decode_both_ways(runner, steps=6)
     assert fused.steps == 6  # the decode steps it was enabled for, not the prefill
     for with_fused, per_op in pairs:
@@ -88,16 +102,33 @@ def test_fused_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, dtype, qua
     assert len({tuple(p.argmax(-1).tolist()) for _, p in pairs}) > 1  # the tokens move on
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_fused_decode_of_a_large_batch_gives_the_per_op_logits_exactly(
+    tiny_llama_dir, quantization
+) -> None:
+    """Past the block kernel's 8 rows, where the linear layers take the integer GEMM on
+    repacked blocks (bfloat16 on AVX-512 VNNI CPUs without AMX), DecodeLayers calls it too."""
+    runner = _runner(tiny_llama_dir, torch.bfloat16, quantization)
+    if not _takes_any_rows(runner):
+        pytest.skip("batches past 8 rows take a float copy of the weights on this CPU")
+    prompts = [[100 + 7 * b + i for i in range(1 + b % 5)] for b in range(10)]  # 10 requests
+    pairs = _decode_both_ways(runner, steps=4, prompts=prompts)
+    assert runner.fused_decode.steps == 4
+    for with_fused, per_op in pairs:
+        assert with_fused.shape == (10, per_op.shape[1])
+        assert torch.equal(with_fused, per_op)
+
+
 def test_fused_decode_is_not_taken_where_it_must_not_be(tiny_llama_dir) -> None:
-    runner = _runner(tiny_llama_dir, torch.bfloat16, "int4")
+    runner = _runner(tiny_llama_dir, torch.float32, "int4")  # a float copy past 8 rows
     fused = runner.fused_decode
     stack = runner.model.model
     decode = _batch(ForwardMode.DECODE, [[7]] * 9, [0] * 9)  # one row more than the kernel's
-    assert not fused.supports(decode, runner.kv)
+    assert fused.max_rows == 8 and not fused.supports(decode, runner.kv)
     runner.forward(decode)
     small = _batch(ForwardMode.DECODE, [[7], [8]], [0, 0])
     assert fused.supports(small, runner.kv)
-    other_kv = KVCache(64, len(stack.layers), 2, 16, torch.bfloat16, CPU)
+    other_kv = KVCache(64, len(stack.layers), 2, 16, torch.float32, CPU)
     assert not fused.supports(small, other_kv)
     embeds = stack.embed_tokens(small.input_ids)
     with torch.inference_mode():
@@ -143,7 +174,8 @@ def test_engine_tokens_and_logprobs_fused_or_not_on_the_default_model(smollm2_gg
         max_total_tokens=8192, num_threads=2,
     )  # fmt: skip
     fused = engine.scheduler.runner.fused_decode
-    assert fused is not None and fused.max_rows == 8
+    assert fused is not None
+    assert fused.max_rows == (sys.maxsize if _takes_any_rows(engine.scheduler.runner) else 8)
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     prompts = ["The river ran quietly beneath", "Write a haiku about the sea"]
     results = {}

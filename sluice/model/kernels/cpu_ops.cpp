@@ -728,28 +728,49 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
 // attention, o_proj, add + RMSNorm, gate_up, SiLU-and-multiply, down; then the final norm), so
 // its output equals that path's bit for bit; what it saves is the Python, pybind and ATen
 // dispatch around each of the ~10 kernels of each layer. The linear layers are GGUF blocks,
-// computed by quant_ops' kernels through the pointer that `_adopt_quant_linear` sets.
+// computed by quant_ops' kernels through the pointer that `_adopt_quant_linear` sets: the block
+// kernel, or, for bfloat16 batches of at least `packed_min_rows` rows where QuantLinear keeps
+// the blocks repacked for the integer GEMM (`packed`), that GEMM, as QuantLinear.forward picks.
 // ---------------------------------------------------------------------------------------------
 using LinearRowsFn = void (*)(const void* x, bool x_bf16, const uint8_t* w, int64_t type,
                               bool int8_activations, const float* bias, void* y, int64_t M,
                               int64_t K, int64_t N);
 LinearRowsFn linear_rows = nullptr;
-constexpr const char* LINEAR_ROWS_CAPSULE = "sluice.kernels.linear_rows.v1";  // quant_ops'
+constexpr const char* LINEAR_ROWS_CAPSULE = "sluice.kernels.linear_rows.v2";  // quant_ops'
+// linear_rows.v2's type id for quant_ops' `repack` layout (its `packed_type`): per tile of 16
+// output rows, per 32-value block, PACK_BLOCK_BYTES bytes
+constexpr int64_t PACKED_TYPE = 256, PACK_TILE = 16, PACK_BLOCK_BYTES = 8 * 64 + 2 * 16 * 4;
 
 struct BlockLinear {  // y [M, N] = x [M, K] w^T, w the blocks of ggml type `type`, no bias
   at::Tensor w;       // uint8 [N, row bytes], checked against K by QuantLinear when it was made
   int64_t type = 0, K = 0, N = 0;
   bool int8_activations = false;
+  at::Tensor packed;  // w repacked for the integer GEMM, or undefined: never
+  int64_t packed_min_rows = 0;  // bfloat16 batches of this many rows or more take `packed`
 };
-using BlockLinearArgs = std::tuple<at::Tensor, int64_t, int64_t, bool>;  // w, type, K, int8
+// w, type, K, int8, packed (or None), packed_min_rows
+using BlockLinearArgs =
+    std::tuple<at::Tensor, int64_t, int64_t, bool, std::optional<at::Tensor>, int64_t>;
 
 BlockLinear block_linear(const BlockLinearArgs& a, int64_t K, int64_t N, const char* what) {
-  const auto& [w, type, k, int8] = a;
+  const auto& [w, type, k, int8, packed, packed_min_rows] = a;
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
               w.is_contiguous(), what, ": contiguous 2-D uint8 blocks");
   TORCH_CHECK(k == K && (N < 0 || w.size(0) == N), what, ": [", w.size(0), ", ", k,
               "] does not fit [", N, ", ", K, "]");
-  return BlockLinear{w, type, k, w.size(0), int8};
+  BlockLinear l{w, type, k, w.size(0), int8};
+  if (packed) {
+    const at::Tensor& p = *packed;
+    TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.dim() == 2 &&
+                p.is_contiguous() && reinterpret_cast<uintptr_t>(p.data_ptr()) % 64 == 0 &&
+                p.size(0) == (l.N + PACK_TILE - 1) / PACK_TILE &&
+                p.size(1) == K / 32 * PACK_BLOCK_BYTES && int8 && packed_min_rows >= 1,
+                what, ": packed must be the blocks repacked for the integer GEMM (64-byte "
+                "aligned), with int8 activations and packed_min_rows >= 1");
+    l.packed = p;
+    l.packed_min_rows = packed_min_rows;
+  }
+  return l;
 }
 
 struct DecoderLayerWeights {
@@ -853,8 +874,12 @@ class DecodeLayers {
 
   template <typename T>
   static void linear(const BlockLinear& l, const at::Tensor& x, at::Tensor& y) {
-    linear_rows(x.data_ptr<T>(), std::is_same_v<T, at::BFloat16>, l.w.data_ptr<uint8_t>(), l.type,
-                l.int8_activations, nullptr, y.data_ptr<T>(), x.size(0), l.K, l.N);
+    constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
+    const int64_t M = x.size(0);
+    const bool packed = bf16 && l.packed.defined() && M >= l.packed_min_rows;
+    linear_rows(x.data_ptr<T>(), bf16, (packed ? l.packed : l.w).data_ptr<uint8_t>(),
+                packed ? PACKED_TYPE : l.type, l.int8_activations, nullptr, y.data_ptr<T>(), M,
+                l.K, l.N);
   }
 
   // This step's K and V rows (qkv's columns after q) into the layer's pool, as index_copy_.

@@ -927,12 +927,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type,
   return y;
 }
 
+// The type id that `linear_rows` reads as `repack`'s layout (any 32-value type): not a ggml id.
+constexpr int64_t PACKED = 256;
+
+// packed_linear on raw rows (defined with it, below): bfloat16 x [M, K] and y [M, N], w packed
+// by `repack`, bias float32 [N] or null.
+void packed_gemm(const at::BFloat16* x, const uint8_t* packed, const float* bias, at::BFloat16* y,
+                 int64_t M, int64_t K, int64_t N);
+
 // quant_linear on raw rows, for the decoder layers of cpu_ops.cpp (`decode_layers`), which
 // get it through `_linear_capsule()`: x [M, K] float32 or bfloat16 (x_bf16), y [M, N] of x's
 // dtype, bias float32 [N] or null; the same paths and results as quant_linear for the same x.
+// type PACKED: w is `repack`'s layout, x bfloat16, the same results as packed_linear.
 void linear_rows(const void* x, bool x_bf16, const uint8_t* w, int64_t type, bool int8_activations,
                  const float* bias, void* y, int64_t M, int64_t K, int64_t N) {
   if (M == 0) return;
+  if (type == PACKED) {
+    TORCH_CHECK(x_bf16, "the packed GEMM takes bfloat16 x");
+    return packed_gemm(static_cast<const at::BFloat16*>(x), w, bias,
+                       static_cast<at::BFloat16*>(y), M, K, N);
+  }
   if (!x_bf16) {
     gemm_dispatch(type, static_cast<const float*>(x), w, bias, static_cast<float*>(y), M, K, N);
     return;
@@ -1186,13 +1200,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     b = bias->to(at::kFloat).contiguous();
   }
   auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
   const at::Tensor xc = x.contiguous();
+  packed_gemm(xc.data_ptr<at::BFloat16>(), packed.data_ptr<uint8_t>(),
+              bias ? b.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), M, K, N);
+  return y;
+}
+
+void packed_gemm(const at::BFloat16* x, const uint8_t* pp, const float* bp, at::BFloat16* yp,
+                 int64_t M, int64_t K, int64_t N) {
+  if (M == 0) return;
+  const int64_t nb = K / QK, tiles = (N + PACK_TILE - 1) / PACK_TILE;
   QuantX qx(M, nb);
-  quantize_x(xc.data_ptr<at::BFloat16>(), K, qx);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  quantize_x(x, K, qx);
   constexpr int64_t PACKED_M_BLOCK = 256;
   const int64_t pairs = (tiles + 1) / 2;
   sluice::parallel_for(0, pairs, 1, [&](int64_t c0, int64_t c1) {
@@ -1208,7 +1227,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       }
     }
   });
-  return y;
+}
+#else
+void packed_gemm(const at::BFloat16*, const uint8_t*, const float*, at::BFloat16*, int64_t,
+                 int64_t, int64_t) {
+  TORCH_CHECK(false, "this build has no packed GEMM (it needs AVX-512 VNNI)");
 }
 #endif
 
@@ -1233,6 +1256,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = "generic";
 #endif
   m.attr("int8_isa") = SLUICE_I8_ISA;
+  m.attr("packed_type") = PACKED;  // linear_rows' type id for repack's layout
   m.def("quant_linear", &quant_linear, pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("type"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("int8_activations") = false);
@@ -1242,7 +1266,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the pointer to linear_rows, for cpu_ops' `_adopt_quant_linear` (its signature is the name)
   m.def("_linear_capsule", [] {
     return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&LINEAR_ROWS)),
-                             "sluice.kernels.linear_rows.v1");
+                             "sluice.kernels.linear_rows.v2");
   });
 #if defined(SLUICE_PACKED_GEMM)
   m.attr("packed_gemm") = true;  // for the types repack takes

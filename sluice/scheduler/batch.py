@@ -125,8 +125,8 @@ def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
     result = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n, input_lps)
     if not plan.last:
         return result
-    logits = out.logits[plan.last_rows]  # [L, vocab]
-    hidden = None if out.hidden is None else out.hidden[plan.last_rows]
+    logits = _rows(out.logits, plan.last_rows)  # [L, vocab]
+    hidden = None if out.hidden is None else _rows(out.hidden, plan.last_rows)
     # a row's sum is finite iff all its logits are (finite logits never add up to inf): one
     # reduction instead of an elementwise test over [L, vocab]
     finite = torch.isfinite(logits.sum(dim=-1)).tolist()
@@ -140,6 +140,12 @@ def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
     if any(finite[i] for i in sampled):
         _sample(plan, [i for i in sampled if finite[i]], logits, result, runner.cpu_ops)
     return result
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] for increasing `rows` (as `last_rows` are): x itself when they are all of its rows
+    (a decode step), with no copy of a [rows, vocab] tensor."""
+    return x if len(rows) == x.shape[0] else x[rows]
 
 
 def sampled_rows(plan: StepPlan) -> list[int]:

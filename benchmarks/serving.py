@@ -55,6 +55,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from sluice.utils.event_loop import run_loop  # uvloop where installed: a cheaper client
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import proc_cpu  # noqa: E402  (beside this file)
@@ -309,9 +311,9 @@ def measure_http(
 ) -> Result:
     """`pid`: the server's, whose process tree's CPU time is measured (cpu_ms)."""
     concurrency = wl.clients or concurrency
-    asyncio.run(_drive(base_url, warm, wl if wl.kind == "embedding" else WARMUP_OUTPUT, len(warm)))
+    run_loop(_drive(base_url, warm, wl if wl.kind == "embedding" else WARMUP_OUTPUT, len(warm)))
     meter = None if pid is None else proc_cpu.TreeCpu(pid)
-    stats, errors, elapsed = asyncio.run(_drive(base_url, prompts, wl, concurrency))
+    stats, errors, elapsed = run_loop(_drive(base_url, prompts, wl, concurrency))
     stats = _completed(stats)
     num_tokens = sum(s.output_tokens for s in stats)
     for err in errors[:3]:

@@ -34,7 +34,6 @@ TTFT p50/p99 of each, the fraction of B's outputs that validate, and the compile
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import os
@@ -56,6 +55,7 @@ from serving import (  # noqa: E402
     drive,
     free_port,
     percentile,
+    run_loop,
     sluice_command,
     stream_request,
 )
@@ -140,7 +140,7 @@ class Run:
 
 
 def run_load(url: str, payloads: list[dict], concurrency: int) -> Run:
-    return Run(*asyncio.run(drive(url, payloads, concurrency)))
+    return Run(*run_loop(drive(url, payloads, concurrency)))
 
 
 def matched_payloads(prompts: list[str], b: Run) -> list[dict]:
@@ -380,7 +380,7 @@ def measure(name: str, url: str, wl: Workloads, concurrency: int) -> SystemRuns:
     print(f"  {name} B: {b.tok_s:.1f} output tok/s", flush=True)
     matched = run_load(url, matched_payloads(wl.prompts, b), concurrency)
     print(f"  {name} A': {matched.tok_s:.1f} output tok/s", flush=True)
-    times = asyncio.run(_compile_times(url, wl.corpus, num_plain=10))
+    times = run_loop(_compile_times(url, wl.corpus, num_plain=10))
     return SystemRuns(a, b, matched, times)
 
 

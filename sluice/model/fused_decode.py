@@ -130,4 +130,4 @@ def _max_rows(stack: LlamaModel) -> int:
 
 
 def _block_args(module: QuantLinear) -> tuple[torch.Tensor, int, int, bool]:
-    return module.qweight, module.qtype, module.in_features, module.int8_activations
+    return module.qweight, module.kernel_type, module.in_features, module.int8_activations

@@ -97,7 +97,8 @@ class QuantLinear(nn.Module):
                 "values a row"
             )
         self.in_features, self.out_features = in_features, qweight.shape[0]
-        self.qtype = qtype
+        self.qtype = qtype  # ggml's type id of the blocks
+        self.kernel_type = qtype  # the id the kernels take: qtype, or its interleaved layout's
         self.register_buffer("qweight", qweight.contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.ops = ops
@@ -115,12 +116,32 @@ class QuantLinear(nn.Module):
         if self.dense is not None and rows >= self.dense_min_rows:
             return self.dense(x)
         return self.ops.quant_linear(
-            x.contiguous(), self.qweight, self.qtype, self.bias, self.int8_activations
+            x.contiguous(), self.qweight, self.kernel_type, self.bias, self.int8_activations
         )
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [out_features, in_features] the blocks stand for."""
-        return self.ops.dequantize(self.qweight, self.qtype, self.in_features, dtype)
+        return self.ops.dequantize(self.qweight, self.kernel_type, self.in_features, dtype)
+
+    def can_interleave(self, dtype: torch.dtype) -> bool:
+        """Whether `interleave` applies: `dtype` rows take the integer path (bfloat16, as
+        `int8_activations` says) and the build has the interleaved kernel for this type."""
+        return (
+            dtype == torch.bfloat16
+            and self.int8_activations
+            and self.qtype in self.ops.interleaved_types
+            and self.kernel_type == self.qtype
+        )
+
+    def interleave(self) -> None:
+        """Replace `qweight` by its blocks in the row-interleaved layout of the few-row integer
+        kernel (quant_ops.cpp, `interleave`: the same bytes, woven 16 output rows at a time), in
+        place, no second copy: every use of the layer (the integer path, the float path,
+        `dequantized`, `keep_dense`) takes `kernel_type`, which names the layout. Float32 x on
+        such a layer still gets the exact float path, but on a copy of the blocks put back into
+        GGUF's layout at every call: for layers whose rows are bfloat16 (`can_interleave`)."""
+        self.qweight = self.ops.interleave(self.qweight, self.qtype, self.in_features)
+        self.kernel_type = self.ops.interleaved_types[self.qtype]
 
     def takes_packed(self, dtype: torch.dtype) -> bool:
         """Batches of many `dtype` rows go through the integer GEMM on repacked blocks: bfloat16
@@ -144,7 +165,7 @@ class QuantLinear(nn.Module):
 
         self.dense_min_rows, self.dense, self.packed = min_rows, None, None
         if self.takes_packed(dtype):
-            self.packed = self.ops.repack(self.qweight, self.qtype, self.in_features)
+            self.packed = self.ops.repack(self.qweight, self.kernel_type, self.in_features)
             return
         weight = self.dequantized(dtype)
         bias = None if self.bias is None else self.bias.detach()  # shared: loaded in place
@@ -197,6 +218,8 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
     modules = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for module in modules:
         module.keep_dense(dtype)
+        if module.can_interleave(dtype):  # after keep_dense, which may read GGUF's layout
+            module.interleave()
         copy = module.packed if module.packed is not None else module.dense.weight
         total += copy.numel() * copy.element_size()
         shape = (module.in_features, module.out_features, module.bias is not None)

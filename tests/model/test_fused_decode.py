@@ -3,7 +3,8 @@ per-op path it stands in for, and where it is and is not taken.
 
 DecodeLayers runs the per-op path's own kernels in the same order on the same values, so the two
 paths' logits are compared for equality, not closeness: in float32 and in bfloat16 (where the
-linear layers take the integer path), with Q4_1 and Q8_0 blocks, over a prefill and several
+linear layers take the integer path, on AVX-512 VNNI builds in their row-interleaved layout,
+which both paths then read), with Q4_1 and Q8_0 blocks, over a prefill and several
 decode steps of two requests of different lengths, each step run by both paths on the same KV
 state; then through the Engine on the default SmolLM2 GGUF, greedy tokens and logprobs.
 """
@@ -18,6 +19,7 @@ from sluice.model.forward_batch import ForwardBatch, ForwardMode
 from sluice.model.fused_decode import FusedDecode, why_not_fused
 from sluice.model.kernels import quant_ops
 from sluice.model.kv_cache import KVCache
+from sluice.model.quant import QuantLinear
 from sluice.model.runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -54,6 +56,11 @@ def _batch(mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]) -
     )  # fmt: skip
 
 
+def _interleaved(model: torch.nn.Module) -> list[bool]:
+    """For each QuantLinear of `model`: whether its blocks are in the row-interleaved layout."""
+    return [m.kernel_type != m.qtype for m in model.modules() if isinstance(m, QuantLinear)]
+
+
 def _decode_both_ways(runner: ModelRunner, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(fused logits, per-op logits) of each decode step after a prefill of PROMPTS; each step
     runs fused first, then per-op over the same slots, and feeds on the per-op path's argmax."""
@@ -80,6 +87,9 @@ def test_fused_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, dtype, qua
     runner = _runner(tiny_llama_dir, dtype, quantization)
     fused = runner.fused_decode
     assert isinstance(fused, FusedDecode) and fused.max_rows == 8
+    # bfloat16 rows take the integer path: every layer interleaved, where the build has it
+    interleaved = dtype == torch.bfloat16 and bool(quant_ops().interleaved_types)
+    assert set(_interleaved(runner.model)) == {interleaved}
     pairs = _decode_both_ways(runner, steps=6)
     assert fused.steps == 6  # the decode steps it was enabled for, not the prefill
     for with_fused, per_op in pairs:
@@ -144,6 +154,8 @@ def test_engine_tokens_and_logprobs_fused_or_not_on_the_default_model(smollm2_gg
     )  # fmt: skip
     fused = engine.scheduler.runner.fused_decode
     assert fused is not None and fused.max_rows == 8
+    interleaved = bool(quant_ops().interleaved_types)  # the layers and the LM head
+    assert set(_interleaved(engine.scheduler.runner.model)) == {interleaved}
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     prompts = ["The river ran quietly beneath", "Write a haiku about the sea"]
     results = {}

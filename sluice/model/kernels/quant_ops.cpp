@@ -752,8 +752,16 @@ void igemv_interleaved(const QuantX& qx, int64_t m_first, const uint8_t* w, cons
 #pragma GCC unroll 8
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, rec += REC) {
+      // the record's lines ahead: into L2 only up to 4 rows of x (at one row, L1 prefetches
+      // too cost a fifth of the speed, the kernel being bound by memory), into L1 as well past
+      // that (bound by dpbusd: without them it stalls on loads)
 #pragma GCC unroll 9
-      for (int64_t line = 0; line < REC; line += 64) prefetch(rec + line);
+      for (int64_t line = 0; line < REC; line += 64) {
+        if constexpr (M <= 4)
+          _mm_prefetch(reinterpret_cast<const char*>(rec + line) + PREFETCH_L2_BYTES, _MM_HINT_T1);
+        else
+          prefetch(rec + line);
+      }
       __m512i u[8];
       if constexpr (T == Q8_0) {
 #pragma GCC unroll 8

@@ -736,7 +736,8 @@ using LinearRowsFn = void (*)(const void* x, bool x_bf16, const uint8_t* w, int6
 LinearRowsFn linear_rows = nullptr;
 constexpr const char* LINEAR_ROWS_CAPSULE = "sluice.kernels.linear_rows.v1";  // quant_ops'
 
-struct BlockLinear {  // y [M, N] = x [M, K] w^T, w the blocks of ggml type `type`, no bias
+struct BlockLinear {  // y [M, N] = x [M, K] w^T, w the blocks of `type`, no bias; the type as
+                     // quant_ops takes it: ggml's id, or its row-interleaved layout's
   at::Tensor w;       // uint8 [N, row bytes], checked against K by QuantLinear when it was made
   int64_t type = 0, K = 0, N = 0;
   bool int8_activations = false;

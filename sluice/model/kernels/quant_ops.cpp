@@ -34,6 +34,18 @@
 // 1.6-1.8x the float path's speed on Q4_1 at one row (1.1-1.3x on Q8_0; one thread of the Xeon
 // model 207, weights streamed), within sum_k |w_k| dx_b(k) / 2 of its result.
 // float32 x always takes the float path, so float32 results stay exact up to float rounding.
+//
+// On AVX-512 VNNI builds the integer path of Q4_0, Q4_1 and Q8_0 has a second layout, made at
+// load (`interleave`, QuantLinear.interleave) in place of GGUF's, the same bytes in number: 16
+// output rows woven together per block, so that one dpbusd on 4 bytes of x makes 4 products for
+// each of the 16 rows and one vcvtph2ps converts their 16 scales (see "The row-interleaved
+// layout" below; `gguf_blocks` puts it back). Its kernel takes the same exact integer sums as the
+// per-row one, the float terms summed in another order. Zen 4, one thread, weights streamed
+// (`benchmarks/quant_kernels.py`): Q4_1 at one row 18.5-22.5 GB/s against 12-15.4 (memory
+// gives ~24), at four rows 13.6-18 against 6.3-7.5; Q8_0 17.4-21 against 14-17.7. Past four rows
+// both are bound by dpbusd, which Zen 4 runs at about one 512-bit op per 0.7 ns: 64 a record of
+// 16 rows x 32 values at eight rows of x. A type id with INTERLEAVED set names the layout; every
+// other path (float x, dequantize, repack) reads such a weight through a GGUF copy.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: half the build time, for nothing used here
 #include <ATen/Parallel.h>

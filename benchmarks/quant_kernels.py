@@ -1,12 +1,14 @@
-"""The block-weight kernel (`quant_ops.quant_linear`) with bfloat16 x: the float path against the
-integer path (x rounded to int8 per block, VNNI dot products), on SmolLM2-135M's shapes.
+"""The block-weight kernel (`quant_ops.quant_linear`) with bfloat16 x: the float path (old)
+against the integer path (new: x rounded to int8 per block, VNNI dot products), on SmolLM2-135M's
+shapes; and, where the build has it (AVX-512 VNNI: `interleaved_types`), the integer path on the
+row-interleaved layout that the model's bfloat16 layers take (`QuantLinear.interleave`, "ilv").
 
-For each shape (K in, N out) and row count M, both paths run in this process, interleaved, over
+For each shape (K in, N out) and row count M, the paths run in this process, interleaved, over
 enough copies of the weight (random values in the type's blocks) that they do not fit in the
 caches, as in decoding, where every layer's weight is read once per token. Prints the median
-GB/s of weight bytes read of each (over `--reps` timings), and new / old. A type the build's
-integer path does not take (the K-quants, Q4_K and Q6_K, but on AVX-512 VNNI) has only its float
-path timed. The K-quants run only on shapes whose K is a multiple of 256 (`--shapes llama1b`,
+GB/s of weight bytes read of each (over `--reps` timings), new / old and ilv / new. A type the
+build's integer path does not take (the K-quants, Q4_K and Q6_K, but on AVX-512 VNNI) has only
+its float path timed. The K-quants run only on shapes whose K is a multiple of 256 (`--shapes llama1b`,
 Llama-3.2-1B's, has them all; SmolLM2's only `down`).
 
     .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--reps 7] [--types Q4_1,Q8_0]
@@ -203,7 +205,8 @@ def main() -> None:
     if ops is None:
         raise SystemExit("the quantized-weight kernels did not build")
     print(f"integer path: {ops.int8_isa}; threads {args.threads}; medians of {args.reps}")
-    print(f"{'type':5} {'shape':>16} {'M':>2} {'old GB/s':>9} {'new GB/s':>9} {'new/old':>8}")
+    print(f"{'type':5} {'shape':>16} {'M':>2} {'old GB/s':>9} {'new GB/s':>9} {'new/old':>8} "
+          f"{'ilv GB/s':>9} {'ilv/new':>8}")  # fmt: skip
     rng = np.random.default_rng(0)
     for type_name in args.types.split(","):
         qtype = TYPE_IDS[type_name]
@@ -213,19 +216,27 @@ def main() -> None:
             w0 = random_blocks(n, k, qtype, rng)
             copies = max(1, -(-STREAM_BYTES // w0.numel()))
             weights = [w0] + [random_blocks(n, k, qtype, rng) for _ in range(copies - 1)]
+            ilv_type = ops.interleaved_types.get(qtype)
+            woven = [ops.interleave(w, qtype, k) for w in weights] if ilv_type else []
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()
-                old, new = [], []
-                for _ in range(args.reps):  # interleaved: drift hits both alike
+                old, new, ilv = [], [], []
+                for _ in range(args.reps):  # interleaved: drift hits all alike
                     old.append(time_path(ops, x, weights, qtype, False))
                     if qtype in ops.int8_types:
                         new.append(time_path(ops, x, weights, qtype, True))
+                    if woven:
+                        ilv.append(time_path(ops, x, woven, ilv_type, True))
                 t_old, gbs = statistics.median(old), w0.numel() / 1e9
                 line = f"{type_name:5} {name:>7} {k:4}x{n:<5} {m:2} {gbs / t_old:9.2f} "
-                if new:
-                    t_new = statistics.median(new)
-                    line += f"{gbs / t_new:9.2f} {t_old / t_new:8.2f}"
-                print(line + ("" if new else f"{'-':>9} {'-':>8}"))
+                t_new = statistics.median(new) if new else None
+                line += (
+                    f"{gbs / t_new:9.2f} {t_old / t_new:8.2f} " if new else f"{'-':>9} {'-':>8} "
+                )
+                if ilv:
+                    t_ilv = statistics.median(ilv)
+                    line += f"{gbs / t_ilv:9.2f} {t_new / t_ilv:8.2f}"
+                print(line + ("" if ilv else f"{'-':>9} {'-':>8}"))
 
 
 if __name__ == "__main__":

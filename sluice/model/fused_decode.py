@@ -140,9 +140,10 @@ def _max_rows(stack: LlamaModel) -> int:
 def _block_args(
     module: QuantLinear,
 ) -> tuple[torch.Tensor, int, int, bool, torch.Tensor | None, int]:
-    """DecodeLayers' view of a linear layer: its blocks, and the repacked copy it takes from
-    `dense_min_rows` rows on (bfloat16 only, as QuantLinear.forward)."""
+    """DecodeLayers' view of a linear layer: its blocks (in the layout `kernel_type` names), and
+    the repacked copy it takes from `dense_min_rows` rows on (bfloat16 only, as
+    QuantLinear.forward)."""
     return (
-        module.qweight, module.qtype, module.in_features, module.int8_activations,
+        module.qweight, module.kernel_type, module.in_features, module.int8_activations,
         module.packed, module.dense_min_rows,
     )  # fmt: skip

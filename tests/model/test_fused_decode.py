@@ -3,7 +3,8 @@ per-op path it stands in for, and where it is and is not taken.
 
 DecodeLayers runs the per-op path's own kernels in the same order on the same values, so the two
 paths' logits are compared for equality, not closeness: in float32 and in bfloat16 (where the
-linear layers take the integer path), with Q4_1 and Q8_0 blocks, over a prefill and several
+linear layers take the integer path, on AVX-512 VNNI builds in their row-interleaved layout,
+which both paths then read), with Q4_1 and Q8_0 blocks, over a prefill and several
 decode steps of two requests of different lengths, each step run by both paths on the same KV
 state; then through the Engine on the default SmolLM2 GGUF, greedy tokens and logprobs.
 """
@@ -57,6 +58,11 @@ def _batch(mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]) -
     )  # fmt: skip
 
 
+def _interleaved(model: torch.nn.Module) -> list[bool]:
+    """For each QuantLinear of `model`: whether its blocks are in the row-interleaved layout."""
+    return [m.kernel_type != m.qtype for m in model.modules() if isinstance(m, QuantLinear)]
+
+
 def _decode_both_ways(
     runner: ModelRunner, steps: int, prompts: list[list[int]] = PROMPTS
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,6 +100,9 @@ def test_fused_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, dtype, qua
     fused = runner.fused_decode
     assert isinstance(fused, FusedDecode)
     assert fused.max_rows == (sys.maxsize if _takes_any_rows(runner) else 8)
+    # bfloat16 rows take the integer path: every layer interleaved, where the build has it
+    interleaved = dtype == torch.bfloat16 and bool(quant_ops().interleaved_types)
+    assert set(_interleaved(runner.model)) == {interleaved}
     pairs = _decode_both_ways(runner, steps=6)
     assert fused.steps == 6  # the decode steps it was enabled for, not the prefill
     for with_fused, per_op in pairs:
@@ -176,6 +185,8 @@ def test_engine_tokens_and_logprobs_fused_or_not_on_the_default_model(smollm2_gg
     fused = engine.scheduler.runner.fused_decode
     assert fused is not None
     assert fused.max_rows == (sys.maxsize if _takes_any_rows(engine.scheduler.runner) else 8)
+    interleaved = bool(quant_ops().interleaved_types)  # the layers and the LM head
+    assert set(_interleaved(engine.scheduler.runner.model)) == {interleaved}
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     prompts = ["The river ran quietly beneath", "Write a haiku about the sea"]
     results = {}

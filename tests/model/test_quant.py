@@ -292,6 +292,100 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
     assert torch.equal(amx(x[:2]), packed_ops.quant_linear(x[:2], raw, int(T.Q4_1), None, True))
 
 
+# N = 16 (one tile), 33, 37, 70 (tiles then 1-6 GGUF rows), 5 (no tile: GGUF rows only), 600
+# (3 chunks of 4 tiles and a part, then 8 rows); K = 32 * an odd number of blocks in most; M =
+# 1..8 (one pass) and 13 (two)
+INTERLEAVED_SHAPES = [
+    (1, 32, 16), (2, 96, 33), (3, 576, 192), (4, 160, 37), (5, 1536, 70), (6, 64, 5),
+    (7, 224, 48), (8, 608, 600), (13, 96, 33),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interleaved_ops(native_ops):
+    if not native_ops.interleaved_types:
+        pytest.skip(f"no interleaved kernel in this build (integer path: {native_ops.int8_isa})")
+    return native_ops
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,k,n", INTERLEAVED_SHAPES)
+def test_interleaved_kernel_gives_the_per_row_integer_result(
+    interleaved_ops, qtype, m, k, n
+) -> None:
+    """The row-interleaved layout holds the same bytes (put back exactly by gguf_blocks, the
+    last N % 16 rows untouched); its kernel rounds x as the per-row integer path does and takes
+    the same exact integer sums, so the two differ by float32 summation order alone (then the
+    bfloat16 rounding of y): within one bfloat16 step, and within the rounding bound."""
+    ops = interleaved_ops
+    raw, w = _blocks(n, k, qtype, seed=m)
+    ilv, kind = ops.interleave(raw, int(qtype), k), ops.interleaved_types[int(qtype)]
+    assert ilv.shape == raw.shape and kind != int(qtype)
+    assert torch.equal(ops.gguf_blocks(ilv, kind, k), raw)
+    tail = n // 16 * 16
+    assert torch.equal(ilv[tail:], raw[tail:])
+    assert n < 16 or not torch.equal(ilv[:tail], raw[:tail])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + n)).bfloat16()
+    x[0, :32] *= 100
+    if k >= 64:
+        x[-1, 32:64] = 0
+    for bias in (torch.randn(n), None):
+        y = ops.quant_linear(x, ilv, kind, bias, True)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        rows = ops.quant_linear(x, raw, int(qtype), bias, True)
+        torch.testing.assert_close(y.float(), rows.float(), rtol=2**-7, atol=0)
+        b = torch.zeros(n) if bias is None else bias
+        ref = x.double() @ w.T + b.double()
+        bound = _int8_bound(x, raw, w, qtype) + 2.0**-24 * b.abs().double() + 2.0**-8 * ref.abs()
+        err = (y.double() - ref).abs()
+        assert (err <= bound).all(), f"max error / bound {(err / bound).max():.3g}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_interleaved_blocks_serve_every_other_path_as_gguf_blocks(interleaved_ops, qtype) -> None:
+    """float32 x, bfloat16 x off the integer path, dequantize and repack read an interleaved
+    weight as its GGUF blocks: the same results, bit for bit."""
+    ops = interleaved_ops
+    raw, _ = _blocks(37, 96, qtype, seed=3)
+    ilv, kind = ops.interleave(raw, int(qtype), 96), ops.interleaved_types[int(qtype)]
+    x, bias = torch.randn(3, 96), torch.randn(37)
+    for int8 in (True, False):
+        want = ops.quant_linear(x, raw, int(qtype), bias, int8)
+        assert torch.equal(ops.quant_linear(x, ilv, kind, bias, int8), want)
+    xb = x.bfloat16()
+    assert torch.equal(
+        ops.quant_linear(xb, ilv, kind, bias, False), ops.quant_linear(xb, raw, int(qtype), bias)
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(
+            ops.dequantize(ilv, kind, 96, dtype), ops.dequantize(raw, int(qtype), 96, dtype)
+        )
+    assert torch.equal(ops.repack(ilv, kind, 96), ops.repack(raw, int(qtype), 96))
+    with pytest.raises(RuntimeError, match="interleaves none"):
+        ops.interleave(torch.zeros(4, 144, dtype=torch.uint8), int(T.Q4_K), 256)
+
+
+def test_quant_linear_module_interleaves_bf16_layers_in_place(interleaved_ops) -> None:
+    from sluice.model.quant import keep_dense_copies
+
+    ops = interleaved_ops
+    raw, _ = _blocks(40, 96, T.Q4_1)
+    x = torch.randn(3, 96).bfloat16()
+    model = torch.nn.ModuleList([QuantLinear(raw, int(T.Q4_1), 96, None, ops) for _ in range(2)])
+    want = model[0](x)
+    assert not model[0].can_interleave(torch.float32)  # float32 rows: the float path, as it is
+    keep_dense_copies(model, torch.bfloat16)
+    layer = model[0]
+    assert layer.kernel_type == ops.interleaved_types[int(T.Q4_1)] and layer.qtype == int(T.Q4_1)
+    assert layer.qweight.shape == raw.shape and not layer.can_interleave(torch.bfloat16)
+    assert torch.equal(layer.qweight, ops.interleave(raw, int(T.Q4_1), 96))
+    assert layer.packed is not None or layer.dense is not None  # made from the GGUF blocks
+    torch.testing.assert_close(layer(x).float(), want.float(), rtol=2**-7, atol=0)
+    assert torch.equal(layer(x), ops.quant_linear(x, layer.qweight, layer.kernel_type, None, True))
+    assert torch.equal(layer.dequantized(torch.float32), ops.dequantize(raw, int(T.Q4_1), 96, torch.float32))  # fmt: skip
+    assert torch.equal(layer(x.float()), ops.quant_linear(x.float(), raw, int(T.Q4_1)))
+
+
 def test_int8_activations_leave_float32_x_exact(native_ops) -> None:
     raw, _ = _blocks(40, 96, T.Q4_1)
     x = torch.randn(3, 96)

@@ -739,9 +739,10 @@ LinearRowsFn linear_rows = nullptr;
 constexpr const char* LINEAR_ROWS_CAPSULE = "sluice.kernels.linear_rows.v2";  // quant_ops'
 // linear_rows.v2's type id for quant_ops' `repack` layout (its `packed_type`): per tile of 16
 // output rows, per 32-value block, PACK_BLOCK_BYTES bytes
-constexpr int64_t PACKED_TYPE = 256, PACK_TILE = 16, PACK_BLOCK_BYTES = 8 * 64 + 2 * 16 * 4;
+constexpr int64_t PACKED_TYPE = 0x200, PACK_TILE = 16, PACK_BLOCK_BYTES = 8 * 64 + 2 * 16 * 4;
 
-struct BlockLinear {  // y [M, N] = x [M, K] w^T, w the blocks of ggml type `type`, no bias
+struct BlockLinear {  // y [M, N] = x [M, K] w^T, w the blocks of `type`, no bias; the type as
+                     // quant_ops takes it: ggml's id, or its row-interleaved layout's
   at::Tensor w;       // uint8 [N, row bytes], checked against K by QuantLinear when it was made
   int64_t type = 0, K = 0, N = 0;
   bool int8_activations = false;

@@ -34,6 +34,18 @@
 // 1.6-1.8x the float path's speed on Q4_1 at one row (1.1-1.3x on Q8_0; one thread of the Xeon
 // model 207, weights streamed), within sum_k |w_k| dx_b(k) / 2 of its result.
 // float32 x always takes the float path, so float32 results stay exact up to float rounding.
+//
+// On AVX-512 VNNI builds the integer path of Q4_0, Q4_1 and Q8_0 has a second layout, made at
+// load (`interleave`, QuantLinear.interleave) in place of GGUF's, the same bytes in number: 16
+// output rows woven together per block, so that one dpbusd on 4 bytes of x makes 4 products for
+// each of the 16 rows and one vcvtph2ps converts their 16 scales (see "The row-interleaved
+// layout" below; `gguf_blocks` puts it back). Its kernel takes the same exact integer sums as the
+// per-row one, the float terms summed in another order. Zen 4, one thread, weights streamed
+// (`benchmarks/quant_kernels.py`): Q4_1 at one row 18.5-22.5 GB/s against 12-15.4 (memory
+// gives ~24), at four rows 13.6-18 against 6.3-7.5; Q8_0 17.4-21 against 14-17.7. Past four rows
+// both are bound by dpbusd, which Zen 4 runs at about one 512-bit op per 0.7 ns: 64 a record of
+// 16 rows x 32 values at eight rows of x. A type id with INTERLEAVED set names the layout; every
+// other path (float x, dequantize, repack) reads such a weight through a GGUF copy.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: half the build time, for nothing used here
 #include <ATen/Parallel.h>
@@ -75,6 +87,10 @@ constexpr int64_t block_values(int64_t type) { return is_k_quant(type) ? 256 : Q
 constexpr int64_t block_bytes(int64_t type) {
   return type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q4_K ? 144 : 210;
 }
+// Row-interleaved weights (`interleave`) go by an internal type id: ggml's | INTERLEAVED.
+constexpr int64_t INTERLEAVED = 0x100, ILV_ROWS = 16;  // ILV_ROWS: output rows a tile
+constexpr bool is_interleaved(int64_t type) { return (type & INTERLEAVED) != 0; }
+constexpr int64_t base_type(int64_t type) { return type & ~INTERLEAVED; }
 
 inline float fp16_to_float(const uint8_t* p) {
   uint16_t h;
@@ -706,6 +722,102 @@ void igemv_rows(const QuantX& qx, int64_t m_first, const uint8_t* w, const float
     igemv_rows_q<T, M>(qx, m_first, w, bias, y, K, N, n_begin, n_end);
 }
 
+#if defined(__AVX512VL__)
+#define SLUICE_INTERLEAVED 1  // the row-interleaved kernel below (`interleave`)
+
+// 16 floats rounded to bfloat16 (to nearest even), as 16 16-bit lanes; a NaN stays a NaN.
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));  // a NaN may wrap to 0
+  return _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), h,
+                                 _mm256_set1_epi16(0x7fc0));
+#endif
+}
+
+inline void store16(__m512 v, at::BFloat16* p) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+}
+
+// Whole tiles t_begin..t_end of a weight in the interleaved layout (see `interleave`), for M rows
+// of x from m_first: per tile and block one record, its 8 registers of 4 values x 16 rows each
+// multiplied into M rows of x by dpbusd with 4 bytes of x broadcast, the record's 16 scales
+// converted by one vcvtph2ps. Per row of x and block, 16 lanes (the tile's rows) of
+//   acc += float(sum_j u_j xq_j) * (d * dx) + m * (dx * sum_j xq_j),
+// the integer sums exact (as igemv_rows_q's; only the float additions come in another order).
+template <int64_t T, int M, typename Out>
+void igemv_interleaved(const QuantX& qx, int64_t m_first, const uint8_t* w, const float* bias,
+                       Out* y, int64_t K, int64_t N, int64_t t_begin, int64_t t_end) {
+  constexpr int64_t REC = ILV_ROWS * block_bytes(T), QBYTES = T == Q8_0 ? 512 : 256;
+  constexpr float MIN_PER_D = T == Q4_0 ? -8.f : -128.f;  // m = MIN_PER_D * d but for Q4_1
+  const int64_t nb = K / QK, nbp = qx.nbp;
+  const int8_t* xq = qx.q + m_first * nbp * QK;
+  const float* xd = qx.d + m_first * nbp * 8;
+  const float* xs = qx.s + m_first * nbp;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const uint8_t* rec = w + t * nb * REC;
+    __m512 acc[M];
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, rec += REC) {
+      // the record's lines ahead: into L2 only up to 4 rows of x (at one row, L1 prefetches
+      // too cost a fifth of the speed, the kernel being bound by memory), into L1 as well past
+      // that (bound by dpbusd: without them it stalls on loads)
+#pragma GCC unroll 9
+      for (int64_t line = 0; line < REC; line += 64) {
+        if constexpr (M <= 4)
+          _mm_prefetch(reinterpret_cast<const char*>(rec + line) + PREFETCH_L2_BYTES, _MM_HINT_T1);
+        else
+          prefetch(rec + line);
+      }
+      __m512i u[8];
+      if constexpr (T == Q8_0) {
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) u[g] = _mm512_loadu_si512(rec + 64 * g);
+      } else {
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const __m512i v = _mm512_loadu_si512(rec + 64 * p);
+          u[p] = _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
+          u[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QBYTES)));
+      __m512 mn;
+      if constexpr (T == Q4_1)
+        mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + QBYTES + 32)));
+      else
+        mn = _mm512_mul_ps(d, _mm512_set1_ps(MIN_PER_D));  // exact: a power of two
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r) {
+        const int8_t* xb = xq + r * nbp * QK + b * QK;
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          int32_t lo, hi;
+          std::memcpy(&lo, xb + 4 * g, 4);
+          std::memcpy(&hi, xb + 16 + 4 * g, 4);
+          s0 = _mm512_dpbusd_epi32(s0, u[g], _mm512_set1_epi32(lo));
+          s1 = _mm512_dpbusd_epi32(s1, u[g + 4], _mm512_set1_epi32(hi));
+        }
+        const __m512 dx = _mm512_set1_ps(xd[(r * nbp + b) * 8]);
+        const __m512 sx = _mm512_set1_ps(xs[r * nbp + b]);
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));  // exact: < 2^24
+        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mn, sx, acc[r]);
+      }
+    }
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + t * ILV_ROWS) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) store16(_mm512_add_ps(acc[r], bv), y + r * N + t * ILV_ROWS);
+  }
+}
+#endif
+
 #elif defined(__AVX2__)
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define SLUICE_I8_ISA "avx-vnni"
@@ -844,6 +956,47 @@ void igemv_tile(int rows, const QuantX& qx, int64_t m0, const uint8_t* w, const 
   }
 }
 
+#if defined(SLUICE_INTERLEAVED)
+template <int64_t T, typename Out>
+void interleaved_tile(int rows, const QuantX& qx, int64_t m0, const uint8_t* w, const float* bias,
+                      Out* y, int64_t K, int64_t N, int64_t t0, int64_t t1) {
+  switch (rows) {
+    case 1: return igemv_interleaved<T, 1>(qx, m0, w, bias, y, K, N, t0, t1);
+    case 2: return igemv_interleaved<T, 2>(qx, m0, w, bias, y, K, N, t0, t1);
+    case 3: return igemv_interleaved<T, 3>(qx, m0, w, bias, y, K, N, t0, t1);
+    case 4: return igemv_interleaved<T, 4>(qx, m0, w, bias, y, K, N, t0, t1);
+    case 5: return igemv_interleaved<T, 5>(qx, m0, w, bias, y, K, N, t0, t1);
+    case 6: return igemv_interleaved<T, 6>(qx, m0, w, bias, y, K, N, t0, t1);
+    case 7: return igemv_interleaved<T, 7>(qx, m0, w, bias, y, K, N, t0, t1);
+    default: return igemv_interleaved<T, 8>(qx, m0, w, bias, y, K, N, t0, t1);
+  }
+}
+
+// The integer path on an interleaved weight: units of work are its whole tiles, then (one more
+// unit) the last N % 16 rows, which keep GGUF's layout and take igemv_rows. The threads split
+// contiguous ranges of units in chunks of CHUNK tiles (64 columns, as for_each_tile); past ROWS
+// rows of x, each chunk's tiles pass over all the rows, ROWS at a time, while in cache.
+template <int64_t T, typename Out>
+void igemm_interleaved(const QuantX& qx, const uint8_t* w, const float* bias, Out* y, int64_t M,
+                       int64_t K, int64_t N) {
+  constexpr int64_t CHUNK = 4;
+  const int64_t tiles = N / ILV_ROWS, units = tiles + (N % ILV_ROWS != 0);
+  const int64_t tile_bytes = ILV_ROWS * (K / QK) * block_bytes(T);
+  sluice::parallel_for(0, units, CHUNK, [&](int64_t u0, int64_t u1) {
+    const int64_t ahead = std::min<int64_t>(PREFETCH_L1_BYTES, (u1 - u0) * tile_bytes);
+    for (int64_t off = 0; off < ahead; off += 64) prefetch_now(w + u0 * tile_bytes + off);
+    for (int64_t c = u0; c < u1; c += CHUNK) {
+      const int64_t ce = std::min(u1, c + CHUNK), te = std::min(ce, tiles);
+      for (int64_t m = 0; m < M; m += ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - m));
+        if (c < te) interleaved_tile<T>(rows, qx, m, w, bias, y + m * N, K, N, c, te);
+        if (ce > tiles) igemv_tile<T>(rows, qx, m, w, bias, y + m * N, K, N, tiles * ILV_ROWS, N);
+      }
+    }
+  });
+}
+#endif
+
 template <int64_t T, typename Out>
 void igemm_impl(const QuantX& qx, const uint8_t* w, const float* bias, Out* y, int64_t M,
                 int64_t K, int64_t N) {
@@ -865,6 +1018,11 @@ void igemm_bf16(int64_t type, const at::BFloat16* x, const uint8_t* w, const flo
     case Q4_K: return igemm_impl<Q4_K>(qx, w, bias, y, M, K, N);
     case Q6_K: return igemm_impl<Q6_K>(qx, w, bias, y, M, K, N);
 #endif
+#if defined(SLUICE_INTERLEAVED)
+    case Q8_0 | INTERLEAVED: return igemm_interleaved<Q8_0>(qx, w, bias, y, M, K, N);
+    case Q4_0 | INTERLEAVED: return igemm_interleaved<Q4_0>(qx, w, bias, y, M, K, N);
+    case Q4_1 | INTERLEAVED: return igemm_interleaved<Q4_1>(qx, w, bias, y, M, K, N);
+#endif
     default: return igemm_impl<Q4_1>(qx, w, bias, y, M, K, N);
   }
 }
@@ -879,16 +1037,92 @@ constexpr bool has_int8_path(int64_t type) {
 #endif
 }
 
+// Whether this build has the interleaved kernel for ggml type `type`.
+constexpr bool has_interleaved(int64_t type) {
+#if defined(SLUICE_INTERLEAVED)
+  return type == Q8_0 || type == Q4_0 || type == Q4_1;
+#else
+  (void)type;
+  return false;
+#endif
+}
+
 void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
-  TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q6_K,
-              "type must be Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12) or Q6_K (14), not ", type);
+  TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q6_K ||
+                  (is_interleaved(type) && has_interleaved(base_type(type))),
+              "type must be Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12) or Q6_K (14), or one of ",
+              "interleaved_types, not ", type);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
               w.is_contiguous(), "w: a contiguous 2-D uint8 CPU tensor of blocks");
+  type = base_type(type);
   const int64_t bv = block_values(type);
   TORCH_CHECK(K > 0 && K % bv == 0, "in_features must be a positive multiple of ", bv, " for ",
               "this type, not ", K);
   TORCH_CHECK(w.size(1) == K / bv * block_bytes(type), "w has ", w.size(1),
               " bytes a row; ", K, " values take ", K / bv * block_bytes(type));
+}
+
+// ----------------------------------------------------------------------------------------------
+// The row-interleaved layout, for the integer path at a few rows (AVX-512 VNNI builds). The
+// per-row kernel above decodes each block's scales and nibbles for one output row at a time, some
+// 15 instructions per two blocks: compute-bound, at about half the speed memory allows. Here, at
+// load, 16 output rows (a tile) are woven together so that per block one dpbusd on 4 bytes of x,
+// broadcast, makes 4 products for each of the 16 rows, and the 16 rows' scales are converted by
+// one vcvtph2ps. Per tile and 32-value block b, one record of 16 * block_bytes bytes:
+//   Q4_0, Q4_1: 4 registers [p][row i][qs_i[4p..4p+3]] (64 bytes each), then d[16] fp16 and
+//               (Q4_1) m[16] fp16: register p's low nibbles are values 4p..4p+3 of its 16 rows,
+//               its high nibbles values 16+4p..16+4p+3 (GGUF's own nibble order);
+//   Q8_0:       8 registers [g][row i][q_i[4g..4g+3] + 128 as u8], then d[16] fp16.
+// A tile's records follow one another (one sequential stream over K), the tiles in order; the
+// last N % 16 rows stay in GGUF's layout, at their GGUF offset (a tile takes exactly its 16 rows'
+// bytes). The tensor keeps its shape and size; its type id says which layout it holds.
+
+// Rewrites the tiles of w [N, K / 32 * block_bytes] of ggml type `type` between GGUF's layout
+// and the interleaved one (TO_TILES: into it), src to dst; the tail rows are copied as they are.
+template <bool TO_TILES>
+void move_tiles(int64_t type, const uint8_t* src, uint8_t* dst, int64_t K, int64_t N) {
+  const int64_t bb = block_bytes(type), nb = K / QK, row_bytes = nb * bb, tiles = N / ILV_ROWS;
+  const int64_t head = type == Q4_1 ? 4 : 2, quads = (bb - head) / 4;  // scale bytes; 4-byte quants
+  const uint8_t flip = type == Q8_0 ? 0x80 : 0;  // Q8_0's q as q + 128 (an involution)
+  sluice::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < ILV_ROWS; ++i)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t blk = (t * ILV_ROWS + i) * row_bytes + b * bb;  // GGUF's block
+          const int64_t rec = t * ILV_ROWS * row_bytes + b * ILV_ROWS * bb;  // its tile's record
+          auto move = [&](int64_t in_blk, int64_t in_rec, int64_t n, uint8_t x) {
+            for (int64_t k = 0; k < n; ++k) {
+              if (TO_TILES) dst[rec + in_rec + k] = src[blk + in_blk + k] ^ x;
+              else dst[blk + in_blk + k] = src[rec + in_rec + k] ^ x;
+            }
+          };
+          for (int64_t q = 0; q < quads; ++q) move(head + 4 * q, q * 64 + i * 4, 4, flip);
+          move(0, quads * 64 + 2 * i, 2, 0);                           // d
+          if (type == Q4_1) move(2, quads * 64 + 32 + 2 * i, 2, 0);  // m
+        }
+  });
+  const int64_t done = tiles * ILV_ROWS * row_bytes;
+  std::memcpy(dst + done, src + done, (N - tiles * ILV_ROWS) * row_bytes);
+}
+
+// w's blocks (ggml type `type`) in the interleaved layout: a new tensor of w's shape, for the
+// type id type | INTERLEAVED (`interleaved_types[type]`).
+at::Tensor interleave(const at::Tensor& w, int64_t type, int64_t K) {
+  TORCH_CHECK(has_interleaved(type), "this build interleaves none of type ", type,
+              " (interleaved_types)");
+  check_weight(w, type, K);
+  auto out = at::empty(w.sizes(), w.options());
+  move_tiles<true>(type, w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), K, w.size(0));
+  return out;
+}
+
+// w's blocks in GGUF's layout: w itself, or, for an interleaved type, a new tensor.
+at::Tensor gguf_blocks(const at::Tensor& w, int64_t type, int64_t K) {
+  check_weight(w, type, K);
+  if (!is_interleaved(type)) return w;
+  auto out = at::empty(w.sizes(), w.options());
+  move_tiles<false>(base_type(type), w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), K, w.size(0));
+  return out;
 }
 
 // y = x w^T + bias: x [M, K] float32 or bfloat16, w [N, K / 32 * block_bytes] uint8 blocks of
@@ -917,18 +1151,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type,
                y.data_ptr<at::BFloat16>(), M, K, N);
     return y;
   }
+  const at::Tensor wg = gguf_blocks(w, type, K);  // the float path reads GGUF's layout
+  type = base_type(type);
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // no copy for contiguous float32
   if (x.scalar_type() == at::kFloat)
-    gemm_dispatch(type, xf.data_ptr<float>(), w.data_ptr<uint8_t>(), bp, y.data_ptr<float>(), M,
+    gemm_dispatch(type, xf.data_ptr<float>(), wg.data_ptr<uint8_t>(), bp, y.data_ptr<float>(), M,
                   K, N);
   else
-    gemm_dispatch(type, xf.data_ptr<float>(), w.data_ptr<uint8_t>(), bp,
+    gemm_dispatch(type, xf.data_ptr<float>(), wg.data_ptr<uint8_t>(), bp,
                   y.data_ptr<at::BFloat16>(), M, K, N);
   return y;
 }
 
-// The type id that `linear_rows` reads as `repack`'s layout (any 32-value type): not a ggml id.
-constexpr int64_t PACKED = 256;
+// The type id that `linear_rows` reads as `repack`'s layout (any 32-value type): neither a ggml
+// id nor one with INTERLEAVED set.
+constexpr int64_t PACKED = 0x200;
 
 // packed_linear on raw rows (defined with it, below): bfloat16 x [M, K] and y [M, N], w packed
 // by `repack`, bias float32 [N] or null.
@@ -947,13 +1184,21 @@ void linear_rows(const void* x, bool x_bf16, const uint8_t* w, int64_t type, boo
     return packed_gemm(static_cast<const at::BFloat16*>(x), w, bias,
                        static_cast<at::BFloat16*>(y), M, K, N);
   }
+  const auto* xb = static_cast<const at::BFloat16*>(x);
+  auto* yb = static_cast<at::BFloat16*>(y);
+  if (x_bf16 && int8_activations && has_int8_path(type))
+    return igemm_bf16(type, xb, w, bias, yb, M, K, N);
+  std::vector<uint8_t> gguf;  // the float path reads GGUF's layout
+  if (is_interleaved(type)) {
+    type = base_type(type);
+    gguf.resize(N * (K / QK) * block_bytes(type));
+    move_tiles<false>(type, w, gguf.data(), K, N);
+    w = gguf.data();
+  }
   if (!x_bf16) {
     gemm_dispatch(type, static_cast<const float*>(x), w, bias, static_cast<float*>(y), M, K, N);
     return;
   }
-  const auto* xb = static_cast<const at::BFloat16*>(x);
-  auto* yb = static_cast<at::BFloat16*>(y);
-  if (int8_activations && has_int8_path(type)) return igemm_bf16(type, xb, w, bias, yb, M, K, N);
   std::vector<float> xf(M * K);  // exact: as x.to(float32)
   for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
   gemm_dispatch(type, xf.data(), w, bias, yb, M, K, N);
@@ -987,11 +1232,12 @@ void dequantize_impl(const uint8_t* w, Out* y, int64_t K, int64_t N) {
 
 // The float weight [N, K] (float32 or bfloat16, `dtype`) of blocks w of `type`.
 at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t K, at::ScalarType dtype) {
-  check_weight(w, type, K);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype: float32 or bfloat16");
+  const at::Tensor wg = gguf_blocks(w, type, K);
+  type = base_type(type);
   const int64_t N = w.size(0);
   auto y = at::empty({N, K}, w.options().dtype(dtype));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* wp = wg.data_ptr<uint8_t>();
 #define SLUICE_DEQUANT(T)                                                               \
   if (dtype == at::kFloat) dequantize_impl<T>(wp, y.data_ptr<float>(), K, N);         \
   else dequantize_impl<T>(wp, y.data_ptr<at::BFloat16>(), K, N);
@@ -1063,12 +1309,13 @@ void repack_impl(const uint8_t* w, uint8_t* out, int64_t K, int64_t N) {
 
 // The packed form of blocks w [N, K / 32 * block_bytes] of `type`: uint8 [tiles, nb * PACK_BYTES].
 at::Tensor repack(const at::Tensor& w, int64_t type, int64_t K) {
+  const at::Tensor wg = gguf_blocks(w, type, K);  // checks w
+  type = base_type(type);
   TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1, "repack takes Q8_0 (8), Q4_0 (2) "
               "or Q4_1 (3), not ", type);
-  check_weight(w, type, K);
   const int64_t N = w.size(0), nb = K / QK, tiles = (N + PACK_TILE - 1) / PACK_TILE;
   auto out = at::empty({tiles, nb * PACK_BYTES}, w.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* wp = wg.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   switch (type) {
     case Q8_0: repack_impl<Q8_0>(wp, op, K, N); break;
@@ -1134,20 +1381,6 @@ inline void packed_micro(const QuantX& qx, int64_t m0, const uint8_t* const* til
       }
     }
   }
-}
-
-// 16 floats rounded to bfloat16 (to nearest even), as 16 16-bit lanes; a NaN stays a NaN.
-inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));  // a NaN may wrap to 0
-  return _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), h,
-                                 _mm256_set1_epi16(0x7fc0));
-#endif
 }
 
 template <int R, int TL>
@@ -1263,6 +1496,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"),
         pybind11::arg("dtype"));
   m.def("repack", &repack, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"));
+  pybind11::dict interleaved;  // ggml type -> the type id of its interleaved layout
+  for (int64_t t : {int64_t{Q4_0}, int64_t{Q4_1}, int64_t{Q8_0}})
+    if (has_interleaved(t)) interleaved[pybind11::int_(t)] = pybind11::int_(t | INTERLEAVED);
+  m.attr("interleaved_types") = interleaved;
+  m.def("interleave", &interleave, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"));
+  m.def("gguf_blocks", &gguf_blocks, pybind11::arg("w"), pybind11::arg("type"),
+        pybind11::arg("K"));
   // the pointer to linear_rows, for cpu_ops' `_adopt_quant_linear` (its signature is the name)
   m.def("_linear_capsule", [] {
     return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&LINEAR_ROWS)),

@@ -85,7 +85,9 @@ def quant_ops() -> Any | None:
     """The compiled module of the quantized-weight kernels (`quant_ops.cpp`: `quant_linear(x, w,
     type, bias=None, int8_activations=False)`, `dequantize(w, type, K, dtype)`, the ggml type ids
     in `types`, those the integer path takes in `int8_types` and its instruction set in
-    `int8_isa`), built and cached as
+    `int8_isa`; `interleave(w, type, K)` and `gguf_blocks(w, type, K)` to and from the
+    row-interleaved layout of the types in `interleaved_types`, ggml id -> the layout's id),
+    built and cached as
     `cpu_ops()`; None when it cannot be had. It runs its work on `cpu_ops()`'s thread pool
     (`parallel.h`), so that the process has one set of workers."""
     module = _optional_build("sluice_quant_ops", QUANT_SOURCE, "quantized-weight kernels", "")

@@ -41,8 +41,8 @@
 // each of the 16 rows and one vcvtph2ps converts their 16 scales (see "The row-interleaved
 // layout" below; `gguf_blocks` puts it back). Its kernel takes the same exact integer sums as the
 // per-row one, the float terms summed in another order. Zen 4, one thread, weights streamed
-// (`benchmarks/quant_kernels.py`): Q4_1 at one row 18.5-22.5 GB/s against 12-15.4 (memory
-// gives ~24), at four rows 13.6-18 against 6.3-7.5; Q8_0 17.4-21 against 14-17.7. Past four rows
+// (`benchmarks/quant_kernels.py`): Q4_1 at one row 17-23 GB/s against 11.6-15.6 (memory gives
+// ~24), at four rows 13-18 against 6.5-7.7; Q8_0 at one row 20-25 against 14-17. Past four rows
 // both are bound by dpbusd, which Zen 4 runs at about one 512-bit op per 0.7 ns: 64 a record of
 // 16 rows x 32 values at eight rows of x. A type id with INTERLEAVED set names the layout; every
 // other path (float x, dequantize, repack) reads such a weight through a GGUF copy.
@@ -764,15 +764,18 @@ void igemv_interleaved(const QuantX& qx, int64_t m_first, const uint8_t* w, cons
 #pragma GCC unroll 8
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, rec += REC) {
-      // the record's lines ahead: into L2 only up to 4 rows of x (at one row, L1 prefetches
-      // too cost a fifth of the speed, the kernel being bound by memory), into L1 as well past
-      // that (bound by dpbusd: without them it stalls on loads)
+      // the record's lines ahead (Zen 4, measured): none at one row of x, where the kernel is
+      // bound by memory and the hardware's prefetchers do best alone (4-20% faster than with
+      // L2 prefetches, more than with L1 ones too); into L2 up to 4 rows (without: down_proj at
+      // 2 rows 15% slower); into L1 as well past that (bound by dpbusd, it stalls on loads)
+      if constexpr (M > 1) {
 #pragma GCC unroll 9
-      for (int64_t line = 0; line < REC; line += 64) {
-        if constexpr (M <= 4)
-          _mm_prefetch(reinterpret_cast<const char*>(rec + line) + PREFETCH_L2_BYTES, _MM_HINT_T1);
-        else
-          prefetch(rec + line);
+        for (int64_t line = 0; line < REC; line += 64) {
+          if constexpr (M <= 4)
+            _mm_prefetch(reinterpret_cast<const char*>(rec + line) + PREFETCH_L2_BYTES, _MM_HINT_T1);
+          else
+            prefetch(rec + line);
+        }
       }
       __m512i u[8];
       if constexpr (T == Q8_0) {

@@ -14,8 +14,9 @@ log says why. Per batch it takes decode steps of 1 to `max_rows` rows over its o
 embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps its
 blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs
 without AMX: DecodeLayers calls that GEMM as QuantLinear does); a float copy for many rows
-(float32, AMX CPUs, the K-quants) bounds it at the rows the block kernel computes. SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it
-off in place (benchmarks/decode_step.py compares the two in one process).
+(float32, AMX CPUs, the K-quants) bounds it at the rows the block kernel computes.
+SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it off in place
+(benchmarks/decode_step.py compares the two in one process).
 """
 
 from __future__ import annotations

@@ -74,10 +74,10 @@ class QuantLinear(nn.Module):
     On AVX-512 VNNI builds, a bfloat16 model's Q4_0, Q4_1 and Q8_0 layers then trade their GGUF
     layout for a row-interleaved one (`interleave`, made by `keep_dense_copies`; `kernel_type`
     says which `qweight` holds), whose kernel reads 16 output rows per dpbusd: 1.2-1.8x the
-    per-row integer kernel at one row, 1.3-2.6x at four (Zen 4, one or two threads). Its results are the per-row
-    kernel's up to float32 summation order (the integer sums are the same), so a bfloat16 y
-    may differ from it by one rounding step; the fused decode reads the same layout through the
-    same kernel, so it still equals the per-op path bit for bit."""
+    per-row integer kernel at one row, 1.3-2.6x at four (Zen 4, one or two threads). Its results
+    are the per-row kernel's up to float32 summation order (the integer sums are the same), so a
+    bfloat16 y may differ from it by one rounding step; the fused decode reads the same layout
+    through the same kernel, so it still equals the per-op path bit for bit."""
 
     KERNEL_MAX_ROWS = 8  # rows the kernel computes in one pass over the blocks
 

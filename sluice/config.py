@@ -71,7 +71,8 @@ class ServerArgs:
         "auto",
         "how the scheduler's idle OpenMP threads wait: active (spin without end: the HTTP and "
         "detokenizer processes then wait for a core), passive (sleep at once: every parallel "
-        "region wakes its threads); auto: OpenMP's default (spin a while, then sleep), or "
+        "region wakes its threads); auto: OpenMP's default (spin a while, then sleep), passive "
+        "for a generative model whose kernels take sluice's pool (SLUICE_KERNEL_POOL=1), or "
         "OMP_WAIT_POLICY from the environment. On 2 cores auto was fastest (README)",
         choices=["auto", "active", "passive"],
     )

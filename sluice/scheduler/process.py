@@ -32,11 +32,12 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
     An encoder model (embeddings, cross-encoder) gets the EncoderScheduler's core instead."""
     from sluice.checkpoint.encoder_config import is_encoder_model
 
-    wait_policy = set_omp_wait_policy(args)
     if is_encoder_model(args.model_path):
         from sluice.scheduler.encoder_process import run_encoder_process
 
+        wait_policy = set_omp_wait_policy(args, kernel_pool=False)
         return run_encoder_process(args, addrs, ready_conn, wait_policy)
+    wait_policy = set_omp_wait_policy(args, kernel_pool=True)
 
     def build() -> ModelLoop:
         logger.info(wait_policy)
@@ -45,14 +46,20 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
     ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, build)
 
 
-def set_omp_wait_policy(args: ServerArgs) -> str:
+def set_omp_wait_policy(args: ServerArgs, kernel_pool: bool) -> str:
     """Set this process's OMP_WAIT_POLICY (`--omp-wait-policy`); the line to log. Runs before
-    torch is imported: libgomp reads the variable once, when it loads."""
+    torch is imported: libgomp reads the variable once, when it loads. Under `auto` a process
+    whose CPU kernels take sluice's pool (`kernel_pool`: a decoder's, with SLUICE_KERNEL_POOL=1)
+    sleeps at once, so that torch's own threads do not spin beside the pool's workers, unless
+    OMP_WAIT_POLICY is given."""
     from sluice.utils import envs
     from sluice.utils.system import omp_wait_policy
 
     given = envs.get_str("OMP_WAIT_POLICY")
     policy = omp_wait_policy(args.omp_wait_policy)
+    if policy is None and not given and kernel_pool and envs.get_bool("SLUICE_KERNEL_POOL"):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        return "--omp-wait-policy auto: passive (SLUICE_KERNEL_POOL: the kernels take the pool)"
     if policy is None:
         kept = f"OMP_WAIT_POLICY={given} from the environment" if given else "OpenMP's default"
         return f"--omp-wait-policy {args.omp_wait_policy}: {kept}"

@@ -33,9 +33,10 @@ ENV_VARS: dict[str, EnvVar] = {
     "SLUICE_KERNEL_POOL": EnvVar(
         "0",
         "1: the CPU kernels split their work with sluice's own thread pool (kernels/parallel.h), "
-        "which never waits for a thread that another process holds, instead of OpenMP: much "
-        "faster when the cores are shared, about 0.8x on a quiet 2-core machine (measured in "
-        "benchmarks/README.md)",
+        "which never waits for a thread that another process holds, instead of OpenMP, and the "
+        "scheduler's OpenMP threads sleep at once (--omp-wait-policy auto). For machines whose "
+        "cores other work shares: beside one busy process it served a single stream at 116.6 "
+        "tok/s against OpenMP's 2.3, on a quiet 2-core machine about 0.8x (benchmarks/README.md)",
     ),
     "SLUICE_QUANT_INT8_ACT": EnvVar(
         "1",

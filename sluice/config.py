@@ -83,7 +83,11 @@ class ServerArgs:
         0, "size of the KV pool in tokens (0: from --mem-fraction)", at_least=0
     )
     mem_fraction: float = _opt(
-        0.25, "fraction of free memory given to the KV pool", above=0.0, at_most=1.0
+        0.25,
+        "fraction of free memory given to the KV pool (on the CPU the pool's memory is taken as "
+        "it fills, not at start: servers started side by side each see all of the free memory)",
+        above=0.0,
+        at_most=1.0,
     )
     max_running_requests: int = _opt(
         0, "concurrent requests in the running batch (0: auto)", at_least=0

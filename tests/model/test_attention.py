@@ -7,6 +7,7 @@ logits against transformers are test_parity.py's, the kernels themselves test_cp
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -179,3 +180,51 @@ def test_the_runner_chooses_one_list_of_backends_for_all_layers(tiny_llama_dir, 
     lists = [m.backends for m in runner.model.modules() if isinstance(m, PagedAttention)]
     assert len(lists) == runner.cfg.num_hidden_layers
     assert all(b is lists[0] for b in lists) and [b.name for b in lists[0]] == want
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_backend_reads_a_slot_outside_its_batch(case) -> None:
+    """The CPU pool is not zeroed at start (KVCache: only slot 0, the padding slot, is), so a
+    slot nobody wrote may hold anything. Here every slot the batch's requests do not own holds
+    NaN, and both backends' outputs stay finite: padding reads slot 0 only."""
+    ops = kernels.cpu_ops()
+    assert ops is not None, "the CPU kernels did not build (see the warning log)"
+    mode, prefix_lens, extend_lens, _ = CASES[case]
+    fb = _batch(mode, prefix_lens, extend_lens)
+    owned = sum(prefix_lens) + sum(extend_lens)  # _batch's requests own slots 1..owned
+    kv = KVCache(owned + 64, 1, KV_HEADS, HEAD_DIM, torch.float32, CPU)
+    gen = torch.Generator().manual_seed(7)
+    for t in kv.k + kv.v:
+        assert bool(t[0].eq(0).all())
+        t[1 : owned + 1] = torch.randn(owned, KV_HEADS, HEAD_DIM, generator=gen)
+        t[owned + 1 :] = float("nan")
+    num_tokens = fb.input_ids.numel()
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen) for _ in "kv")
+    layer = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM).layer
+    kv.write(layer.layer_id, fb.out_cache_loc, k, v)
+    with torch.inference_mode():
+        for backend in (CpuKernelAttention(ops), SdpaAttention()):
+            out = backend.forward(q, k, v, fb, kv, layer)
+            assert bool(torch.isfinite(out).all()), backend.name
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_cpu_pool_takes_memory_as_it_fills() -> None:
+    """Making a large pool on the CPU writes only its padding slot (start-up used to zero the
+    whole default pool: 6 s for 5.6 GiB); its memory is taken as slots are written."""
+    layers, slots = 4, 48 * 1024  # 4 layers x 2 x 48K slots x 3 x 64 x 4 bytes = 288 MiB
+    before = _rss_bytes()
+    kv = KVCache(slots, layers, KV_HEADS, HEAD_DIM, torch.float32, CPU)
+    pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
+    assert pool_bytes > 256 * 2**20
+    assert _rss_bytes() - before < pool_bytes // 8
+    for t in kv.k + kv.v:
+        assert bool(t[0].eq(0).all())
+        t.fill_(1.0)  # every page touched now
+    assert _rss_bytes() - before > pool_bytes // 2

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 from sluice.checkpoint.model_config import ModelConfig
 from sluice.model.forward_batch import ForwardBatch, ForwardOutput
@@ -93,7 +94,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init (0.8 s for 49152 x 576): the checkpoint's weights replace it
+        self.embed_tokens = skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size)
         rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )

@@ -1,0 +1,165 @@
+"""Two or more sluice configurations against each other, interleaved trial by trial.
+
+On the shared 2-core VMs this project measures on, the machine's own speed drifts by a third
+within minutes (benchmarks/README.md), so two `serving.py` runs one after the other compare the
+drift as much as the configurations. Here every configuration (a label, environment variables,
+extra `sluice serve` flags) gets its own server, all of them up at once; then, per workload and
+for `--rounds` rounds, each server runs one short trial (the workload's clients, one request
+each, all sent together: one batch), in an order that alternates between rounds. The servers'
+trials of a round get the same prompts. Printed per configuration: the median output tok/s
+(completion tokens / the trial's wall time) and the paired ratio to the first configuration's
+trial of the same round (median, min, max): the figure to read, since drift falls on both
+members of a pair alike. An idle server sleeps (its scheduler blocks on its sockets once its
+OpenMP threads have stopped spinning), so the servers do not slow each other down.
+
+    .venv/bin/python benchmarks/ab_servers.py --config "omp" \\
+        --config "pool:SLUICE_KERNEL_POOL=1" [--config "label:ENV=V,ENV2=W:--flag value"] \\
+        [--workloads single-stream,decode-heavy,mixed,shared-prefix] [--rounds 12]
+
+A configuration is `label[:ENV=V,...[:sluice serve flags]]`; every server also gets
+`--no-embedding-model` unless `--with-embedding-model`. The workloads are `serving.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from serving import (  # noqa: E402
+    DEFAULT_WORKLOADS,
+    WARMUP_OUTPUT,
+    WORKLOADS,
+    ServerProcess,
+    Workload,
+    _drive,
+    free_port,
+    make_prompts,
+    run_loop,
+    select_workloads,
+    sluice_command,
+)
+
+DEFAULT_CLIENTS = 32  # clients of a trial for the workloads that do not name their own
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    env: dict[str, str]
+    flags: list[str]
+
+
+def parse_config(spec: str) -> Config:
+    """`label[:ENV=V,...[:flags]]` -> Config; raises ValueError naming what is wrong."""
+    label, _, rest = spec.partition(":")
+    env_part, _, flags = rest.partition(":")
+    if not label:
+        raise ValueError(f"--config {spec!r}: no label before the first ':'")
+    env = {}
+    for item in filter(None, (s.strip() for s in env_part.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--config {spec!r}: {item!r} is not ENV=VALUE")
+        env[key] = value
+    return Config(label, env, shlex.split(flags))
+
+
+def trial_ratios(results: dict[str, list[float]], base: str) -> dict[str, list[float]]:
+    """Each configuration's trials divided by the base configuration's trial of the same round."""
+    return {
+        label: [x / b for x, b in zip(values, results[base], strict=True)]
+        for label, values in results.items()
+    }
+
+
+def order_for_round(labels: list[str], round_index: int) -> list[str]:
+    """The order the servers run in: as given in even rounds, reversed in odd ones."""
+    return labels if round_index % 2 == 0 else labels[::-1]
+
+
+def run_trial(base_url: str, wl: Workload, prompts: list) -> float:
+    stats, errors, elapsed = run_loop(_drive(base_url, prompts, wl, len(prompts)))
+    if errors:
+        raise RuntimeError(f"{wl.name}: {len(errors)} requests failed, first: {errors[0]}")
+    return sum(s.output_tokens for s in stats if s is not None) / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--config", action="append", required=True, help="label[:ENV=V,...[:flags]] (repeat)"
+    )
+    ap.add_argument(
+        "--workloads", default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated, of {', '.join(w for w in WORKLOADS if w != 'embeddings-short')}",
+    )  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=12, help="trials per configuration and workload")
+    ap.add_argument("--clients", type=int, default=DEFAULT_CLIENTS)
+    ap.add_argument("--with-embedding-model", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    try:
+        configs = [parse_config(spec) for spec in args.config]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels) or len(labels) < 2:
+        raise SystemExit("give at least two --config, with different labels")
+    workloads = select_workloads(args.workloads)
+    if any(wl.kind != "completion" for wl in workloads):
+        raise SystemExit("the embedding workload has no output tokens to compare")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from sluice.checkpoint.hf_dir import load_model_config
+    from sluice.utils.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(load_model_config(None).hf_dir)
+    print(f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds", flush=True)
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for c in configs:
+            port = free_port()
+            extra = c.flags if args.with_embedding_model else ["--no-embedding-model", *c.flags]
+            env = {**os.environ, **c.env}
+            server = ServerProcess(
+                c.label, sluice_command(port, extra), f"http://127.0.0.1:{port}",
+                "/health_generate", env=env,
+            )  # fmt: skip
+            servers[c.label] = server.__enter__()
+        for w, wl in enumerate(workloads):
+            clients = wl.clients or args.clients
+            warm = make_prompts(tokenizer, wl, 2, seed=args.seed + 1000 * w + 999)
+            for server in servers.values():
+                run_loop(_drive(server.base_url, warm, WARMUP_OUTPUT, len(warm)))
+            results: dict[str, list[float]] = {label: [] for label in labels}
+            for r in range(args.rounds):
+                prompts = make_prompts(tokenizer, wl, clients, seed=args.seed + 1000 * w + r)
+                for label in order_for_round(labels, r):
+                    results[label].append(run_trial(servers[label].base_url, wl, prompts))
+            print(f"\n== {wl.name}: {wl.describe()}, {clients} clients a trial ==")
+            for label, ratios in trial_ratios(results, labels[0]).items():
+                values = results[label]
+                print(
+                    f"{label:16s} median {statistics.median(values):7.1f} out tok/s; / "
+                    f"{labels[0]}: median {statistics.median(ratios):.3f} (min {min(ratios):.3f},"
+                    f" max {max(ratios):.3f}); trials {[round(v) for v in values]}",
+                    flush=True,
+                )
+    finally:
+        for server in servers.values():
+            server.__exit__(None, None, None)
+        print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
+
+
+if __name__ == "__main__":
+    main()

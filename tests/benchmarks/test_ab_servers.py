@@ -1,0 +1,46 @@
+"""ab_servers.py's pieces that need no server: the --config syntax, the pairing of trials and
+the alternating order."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+
+from tests.benchmarks import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def ab() -> ModuleType:
+    return load_benchmark("ab_servers")
+
+
+def test_a_config_is_a_label_then_environment_then_flags(ab: ModuleType) -> None:
+    assert ab.parse_config("omp") == ab.Config("omp", {}, [])
+    pool = ab.parse_config("pool:SLUICE_KERNEL_POOL=1, OMP_WAIT_POLICY=PASSIVE")
+    assert pool == ab.Config("pool", {"SLUICE_KERNEL_POOL": "1", "OMP_WAIT_POLICY": "PASSIVE"}, [])
+    one = ab.parse_config("one-thread::--num-threads 1 --chunked-prefill-size 512")
+    assert one == ab.Config(
+        "one-thread", {}, ["--num-threads", "1", "--chunked-prefill-size", "512"]
+    )
+    assert ab.parse_config("x:A=b=c").env == {"A": "b=c"}  # the first '=' splits
+
+
+@pytest.mark.parametrize("spec", [":A=1", "x:A", "x:=1"])
+def test_a_malformed_config_names_what_is_wrong(ab: ModuleType, spec: str) -> None:
+    with pytest.raises(ValueError, match="--config"):
+        ab.parse_config(spec)
+
+
+def test_each_trial_is_divided_by_the_base_trial_of_its_round(ab: ModuleType) -> None:
+    results = {"a": [100.0, 200.0], "b": [110.0, 180.0]}
+    ratios = ab.trial_ratios(results, "a")
+    assert ratios["a"] == [1.0, 1.0]
+    assert ratios["b"] == pytest.approx([1.1, 0.9])
+    with pytest.raises(ValueError):  # a missing trial is an error, not a shifted pairing
+        ab.trial_ratios({"a": [1.0, 2.0], "b": [1.0]}, "a")
+
+
+def test_the_order_alternates_between_rounds(ab: ModuleType) -> None:
+    labels = ["a", "b", "c"]
+    assert [ab.order_for_round(labels, r) for r in range(3)] == [labels, labels[::-1], labels]

@@ -10,7 +10,8 @@ trials of a round get the same prompts. Printed per configuration: the median ou
 (completion tokens / the trial's wall time) and the paired ratio to the first configuration's
 trial of the same round (median, min, max): the figure to read, since drift falls on both
 members of a pair alike. An idle server sleeps (its scheduler blocks on its sockets once its
-OpenMP threads have stopped spinning), so the servers do not slow each other down.
+OpenMP threads have stopped spinning), so the servers do not slow each other down; with OpenMP's
+ACTIVE wait policy its threads spin for ever, so such a configuration is refused.
 
     .venv/bin/python benchmarks/ab_servers.py --config "omp" \\
         --config "pool:SLUICE_KERNEL_POOL=1" [--config "label:ENV=V,ENV2=W:--flag value"] \\
@@ -69,7 +70,15 @@ def parse_config(spec: str) -> Config:
         if not eq or not key:
             raise ValueError(f"--config {spec!r}: {item!r} is not ENV=VALUE")
         env[key] = value
-    return Config(label, env, shlex.split(flags))
+    config = Config(label, env, shlex.split(flags))
+    policy = env.get("OMP_WAIT_POLICY", "").upper()
+    flags_text = " ".join(config.flags)
+    if policy == "ACTIVE" or "--omp-wait-policy active" in flags_text:
+        raise ValueError(
+            f"--config {spec!r}: OpenMP's ACTIVE wait policy keeps an idle server's threads "
+            "spinning, which slows the other servers' trials"
+        )
+    return config
 
 
 def trial_ratios(results: dict[str, list[float]], base: str) -> dict[str, list[float]]:

@@ -26,7 +26,9 @@ def test_a_config_is_a_label_then_environment_then_flags(ab: ModuleType) -> None
     assert ab.parse_config("x:A=b=c").env == {"A": "b=c"}  # the first '=' splits
 
 
-@pytest.mark.parametrize("spec", [":A=1", "x:A", "x:=1"])
+@pytest.mark.parametrize(
+    "spec", [":A=1", "x:A", "x:=1", "x:OMP_WAIT_POLICY=active", "x::--omp-wait-policy active"]
+)
 def test_a_malformed_config_names_what_is_wrong(ab: ModuleType, spec: str) -> None:
     with pytest.raises(ValueError, match="--config"):
         ab.parse_config(spec)

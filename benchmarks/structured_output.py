@@ -28,7 +28,10 @@ TTFT p50/p99 of each, the fraction of B's outputs that validate, and the compile
 (p50/p99); then sluice / vLLM for each run.
 
     .venv/bin/python benchmarks/structured_output.py [--num-requests 128] [--concurrency 32]
-        [--sluice-args "..."] [--skip-vllm]
+        [--sluice-args "..."] [--skip-vllm] [--rounds 1]
+
+`--rounds N` runs A, B and A' N times in turn against sluice and prints every round's B / A and
+their median: one run's ratio moves with the machine's drift between its A and its B.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -325,6 +329,10 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--max-load", type=float, default=1.0, help="wait for a load average below")
     ap.add_argument("--load-tries", type=int, default=3)
+    ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="A, B and A' this many times in turn against sluice; B / A is printed per round",
+    )  # fmt: skip
     return ap.parse_args()
 
 
@@ -366,22 +374,26 @@ class SystemRuns:
     b: Run
     matched: Run
     times: CompileTimes
+    more: list[tuple[Run, Run, Run]] = field(default_factory=list)  # rounds 2.. of (A, B, A')
 
 
-def measure(name: str, url: str, wl: Workloads, concurrency: int) -> SystemRuns:
-    """A, B and A' against one running server, then the compile times."""
+def measure(name: str, url: str, wl: Workloads, concurrency: int, rounds: int = 1) -> SystemRuns:
+    """A, B and A' against one running server (`rounds` times in turn), then the compile
+    times."""
     run_load(url, wl.warm_a, len(wl.warm_a))
-    a = run_load(url, wl.a, concurrency)
-    print(f"  {name} A: {a.tok_s:.1f} output tok/s", flush=True)
     warmed = run_load(url, wl.warm_b, len(wl.warm_b))
     if warmed.errors:
         raise SystemExit(f"{name}: warming B's schemas failed: {warmed.errors[:2]}")
-    b = run_load(url, wl.b, concurrency)
-    print(f"  {name} B: {b.tok_s:.1f} output tok/s", flush=True)
-    matched = run_load(url, matched_payloads(wl.prompts, b), concurrency)
-    print(f"  {name} A': {matched.tok_s:.1f} output tok/s", flush=True)
+    runs = []
+    for r in range(rounds):
+        a = run_load(url, wl.a, concurrency)
+        b = run_load(url, wl.b, concurrency)
+        matched = run_load(url, matched_payloads(wl.prompts, b), concurrency)
+        print(f"  {name} round {r + 1}: A {a.tok_s:.1f}, B {b.tok_s:.1f}, A' {matched.tok_s:.1f} "
+              "output tok/s", flush=True)  # fmt: skip
+        runs.append((a, b, matched))
     times = run_loop(_compile_times(url, wl.corpus, num_plain=10))
-    return SystemRuns(a, b, matched, times)
+    return SystemRuns(*runs[0], times, runs[1:])
 
 
 def report(name: str, runs: SystemRuns, wl: Workloads, concurrency: int) -> None:
@@ -391,7 +403,21 @@ def report(name: str, runs: SystemRuns, wl: Workloads, concurrency: int) -> None
         for err in run.errors[:3]:
             print(f"  {label}: request failed: {err}")
     print_validation(runs.b, [e["schema"] for e in wl.picked], [e["name"] for e in wl.picked])
+    if runs.more:
+        print_rounds([(runs.a, runs.b, runs.matched), *runs.more])
     print_compile(runs.times, len(wl.corpus))
+
+
+def print_rounds(rounds: list[tuple[Run, Run, Run]]) -> None:
+    """Every round's ratios (the table above is round 1's), and B / A's median over them: one
+    run's ratio moves with the machine's drift between its A and its B."""
+    b_a = [b.tok_s / a.tok_s for a, b, _ in rounds]
+    for i, (a, b, matched) in enumerate(rounds):
+        print(f"round {i + 1}: A {a.tok_s:.1f}, B {b.tok_s:.1f}, A' {matched.tok_s:.1f} tok/s; "
+              f"B / A {b_a[i]:.2f}x, B / A' {b.tok_s / matched.tok_s:.2f}x")  # fmt: skip
+    print(f"B / A over {len(rounds)} rounds: median {statistics.median(b_a):.2f}x "
+          f"(min {min(b_a):.2f}, max {max(b_a):.2f}); "
+          f"{sum(x >= 0.85 for x in b_a)} of {len(rounds)} meet the 0.85x target")  # fmt: skip
 
 
 def compare(ours: SystemRuns, peer: SystemRuns, peer_name: str) -> None:
@@ -440,7 +466,9 @@ def main() -> None:
     extra = ["--no-embedding-model", "--log-level", "warning", *shlex.split(args.sluice_args)]
     base_url = f"http://127.0.0.1:{port}"
     with ServerProcess("sluice-server", sluice_command(port, extra), base_url, "/health_generate"):
-        ours = measure("sluice", base_url + "/v1/chat/completions", wl, args.concurrency)
+        ours = measure(
+            "sluice", base_url + "/v1/chat/completions", wl, args.concurrency, args.rounds
+        )
     peer = None if args.skip_vllm else run_vllm(wl, args.concurrency)
     end_load = os.getloadavg()[0]
 

@@ -24,10 +24,11 @@ class KVCache:
         shape = (size + 1, num_kv_heads, head_dim)  # [slots, Hkv, D]
         # Slot 0 must hold zeros: padded reads see it, and NaN garbage there would spread
         # through masked attention (0 * NaN). Every other slot is written in the step that is
-        # handed it, before anything reads it. On the CPU the pool is left unwritten: its
-        # pages are mapped on first touch (zeroed by the kernel), so start-up does not write
-        # all of it (torch.zeros took 6 s for the default 5.6 GiB pool on 2 cores) and memory
-        # is taken as the pool fills. Other devices zero it all (fast there).
+        # handed it, before anything reads it (test_attention.py holds the backends to it). On
+        # the CPU the rest is left unwritten: a large pool's pages are fresh mappings, given
+        # (zeroed by the kernel) on first touch, so start-up does not write all of it
+        # (torch.zeros took 6 s for the default 5.6 GiB pool on 2 cores) and memory is taken
+        # as the pool fills; a small one may hold old data. Other devices zero it all.
         alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
         self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -84,7 +84,11 @@ class ForwardBatch:
         seq_t = pre_t + ext_t
         max_kv, max_q = int(seq_t.max()), max(extend_lens)
         rows = torch.tensor(req_pool_indices, dtype=torch.int64)
-        kv_indices = req_to_token[rows, :max_kv]
+        kv_indices = req_to_token[rows, :max_kv]  # a copy (rows is a tensor)
+        # past a request's length its row holds stale slots (ReqToTokenPool), which may never
+        # have been written (KVCache leaves them so): padding reads slot 0, zeroed in every
+        # pool, since masked attention still multiplies what it reads (0 * NaN is NaN)
+        kv_indices.masked_fill_(torch.arange(max_kv) >= seq_t[:, None], 0)
         positions = _positions(pre_t, ext_t, len(input_ids), max_q)
         q_rows = q_seq_lens = None
         mask_density = 1.0

@@ -20,7 +20,8 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = device
-        # [size, max_context_len]; entries past a request's length are stale, never read
+        # [size, max_context_len]; entries past a request's length are stale (ForwardBatch
+        # reads slot 0 in their place)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self.clear()
 

@@ -49,10 +49,13 @@ CASES = {
 }
 
 
-def _batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
-    """Request b owns slots after request b-1's, so slot 0 stays the padding slot."""
+def _batch(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], stale: int = 0
+) -> ForwardBatch:
+    """Request b owns slots after request b-1's, so slot 0 stays the padding slot; `stale` is
+    what a request's row of req_to_token holds past its length (a slot of an earlier owner)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
+    req_to_token = torch.full((len(seq_lens), max(seq_lens)), stale, dtype=torch.int64)
     new_slots, start = [], 1
     for b, (p, n) in enumerate(zip(prefix_lens, seq_lens, strict=True)):
         req_to_token[b, :n] = torch.arange(start, start + n)
@@ -186,12 +189,13 @@ def test_the_runner_chooses_one_list_of_backends_for_all_layers(tiny_llama_dir, 
 def test_no_backend_reads_a_slot_outside_its_batch(case) -> None:
     """The CPU pool is not zeroed at start (KVCache: only slot 0, the padding slot, is), so a
     slot nobody wrote may hold anything. Here every slot the batch's requests do not own holds
-    NaN, and both backends' outputs stay finite: padding reads slot 0 only."""
+    NaN, their rows of req_to_token name such a slot past their lengths (stale entries), and
+    both backends' outputs stay finite: padding reads slot 0 only (ForwardBatch)."""
     ops = kernels.cpu_ops()
     assert ops is not None, "the CPU kernels did not build (see the warning log)"
     mode, prefix_lens, extend_lens, _ = CASES[case]
-    fb = _batch(mode, prefix_lens, extend_lens)
     owned = sum(prefix_lens) + sum(extend_lens)  # _batch's requests own slots 1..owned
+    fb = _batch(mode, prefix_lens, extend_lens, stale=owned + 1)
     kv = KVCache(owned + 64, 1, KV_HEADS, HEAD_DIM, torch.float32, CPU)
     gen = torch.Generator().manual_seed(7)
     for t in kv.k + kv.v:

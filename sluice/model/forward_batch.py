@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sluice.model.multimodal import ImageSpan, MultimodalInputs
@@ -59,6 +60,7 @@ class ForwardBatch:
     # PyTorch's SDPA computes all of it, sluice's kernel only that share (DECODE: not used, 1)
     mask_density: float = 1.0
     mm_inputs: MultimodalInputs | None = None  # images with positions in this forward; None: none
+    all_logits: bool = True  # `logits_index` is every row of T, in order
     _padded: PaddedQueries | None = field(default=None, repr=False)
 
     @classmethod
@@ -78,6 +80,14 @@ class ForwardBatch:
         """prefix_lens[b]: tokens of request b already in the KV pool; extend_lens[b]: new tokens
         (1 for DECODE). The new tokens' slots must already be written into `req_to_token`.
         images[b]: request b's images (sluice.model.multimodal), None for text only."""
+        if mode == ForwardMode.DECODE and images is None and req_to_token.device.type == "cpu":
+            fb = cls.decode(
+                input_ids, prefix_lens, req_pool_indices, out_cache_loc, req_to_token.numpy()
+            )
+            if logits_index != list(range(len(input_ids))):
+                fb.logits_index = torch.tensor(logits_index, dtype=torch.int64)
+                fb.all_logits = False
+            return fb.to(device)
         bs = len(extend_lens)
         pre_t = torch.tensor(prefix_lens, dtype=torch.int64)
         ext_t = torch.tensor(extend_lens, dtype=torch.int64)
@@ -119,7 +129,50 @@ class ForwardBatch:
             q_seq_lens=q_seq_lens,
             mask_density=mask_density,
             mm_inputs=mm_inputs,
+            all_logits=len(logits_index) == len(input_ids)
+            and logits_index == list(range(len(input_ids))),
         )
+
+    @classmethod
+    def decode(
+        cls,
+        input_ids: list[int],
+        positions: list[int],
+        rows: list[int],
+        out_cache_loc: torch.Tensor,
+        req_to_token: np.ndarray,
+    ) -> ForwardBatch:
+        """A DECODE batch, its tensors on the CPU and its logits for every row: request b's new
+        token input_ids[b] at positions[b] (the tokens already in the pool), in row rows[b] of
+        `req_to_token` (the CPU pool's NumPy view), where its slot out_cache_loc[b] is written
+        here. Made with NumPy and one array for all the [B] rows: a PyTorch op costs tens of
+        microseconds right after a forward has streamed the weights through the caches (about
+        ten of them made a decode step's metadata), NumPy's a few."""
+        bs = len(rows)
+        seq = [p + 1 for p in positions]
+        meta = np.array(  # [6, B]
+            [input_ids, positions, seq, rows, list(range(bs)), [1] * bs], dtype=np.int64
+        )
+        max_kv = max(seq)
+        req_to_token[meta[3], meta[1]] = out_cache_loc.numpy()
+        kv_indices = req_to_token[meta[3], :max_kv]  # a copy (rows are an array)
+        if min(seq) < max_kv:  # pad with slot 0, as `build` does
+            kv_indices[np.arange(max_kv) >= meta[2, :, None]] = 0
+        ids, pos, seq_t, _, everyone, ones = torch.from_numpy(meta).unbind()
+        return cls(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=ids, positions=pos,
+            out_cache_loc=out_cache_loc, kv_indices=torch.from_numpy(kv_indices), seq_lens=seq_t,
+            max_q=1, logits_index=everyone, prefix_lens_cpu=pos, extend_lens_cpu=ones,
+        )  # fmt: skip
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """This batch with its tensors on `device` (itself on the CPU; the *_cpu ones stay)."""
+        if device.type == "cpu":
+            return self
+        for name in ("input_ids", "positions", "out_cache_loc", "kv_indices", "seq_lens"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.logits_index = self.logits_index.to(device)
+        return self
 
     def padded(self) -> PaddedQueries:
         """The padded view, built at the first call on the batch's device and kept: every layer

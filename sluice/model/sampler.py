@@ -61,7 +61,7 @@ class SparseLogits(NamedTuple):
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor  # float32 [B], raw log-softmax at the chosen token
+    logprobs: torch.Tensor | None  # float32 [B], raw log-softmax at the chosen token
     top_logprobs: TopK | None  # raw top-k when max_top_k > 0
 
 
@@ -70,15 +70,16 @@ class SamplingBatchInfo:
     """Everything the sampler needs for one batch, built once per batch.
 
     Rows that sample (not greedy) are the S rows `sample_rows` (None: all B rows); the per-row
-    sampling tensors below have S rows, in that order.
+    sampling tensors below have S rows, in that order. A batch of greedy rows has none of them
+    (None), nothing reads them there.
     """
 
     batch_size: int
     vocab_size: int
     is_all_greedy: bool
     sample_rows: torch.Tensor | None  # int64 [S] rows of the batch that sample
-    temperatures: torch.Tensor  # float32 [S, 1]
-    uniforms: torch.Tensor  # float32 [S] in (0, 1): this step's random draw of each row
+    temperatures: torch.Tensor | None  # float32 [S, 1]
+    uniforms: torch.Tensor | None  # float32 [S] in (0, 1): this step's random draw of each row
     top_ks: torch.Tensor | None  # int64 [S], 0 = off; None: no row uses top-k
     max_top_k: int
     top_ps: torch.Tensor | None  # float32 [R] for rows `top_p_rows`; None: no row uses top-p
@@ -119,15 +120,18 @@ class SamplingBatchInfo:
         top_p_rows = [j for j, p in enumerate(sp) if p.top_p < 1.0]
         f32 = dict(dtype=torch.float32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
+        temperatures = uniforms = None  # a greedy batch reads neither
+        if rows:
+            temperatures = torch.tensor([[p.temperature] for p in sp], **f32).reshape(-1, 1)
+            draws = [step_uniform(seeds[i], len(output_ids[i])) for i in rows]
+            uniforms = torch.tensor(draws, **f32)
         return cls(
             batch_size=len(params),
             vocab_size=vocab_size,
             is_all_greedy=not rows,
-            sample_rows=None if len(rows) == len(params) else torch.tensor(rows, **i64),
-            temperatures=torch.tensor([[p.temperature] for p in sp], **f32).reshape(-1, 1),
-            uniforms=torch.tensor(
-                [step_uniform(seeds[i], len(output_ids[i])) for i in rows], **f32
-            ),
+            sample_rows=None if len(rows) in (0, len(params)) else torch.tensor(rows, **i64),
+            temperatures=temperatures,
+            uniforms=uniforms,
             top_ks=torch.tensor(top_ks, **i64) if any(top_ks) else None,
             max_top_k=max(top_ks, default=0),
             top_ps=torch.tensor([sp[j].top_p for j in top_p_rows], **f32) if top_p_rows else None,
@@ -369,7 +373,7 @@ def sample(
     kernels: Any | None = None,
 ) -> SampleOutput:
     """Pick the next token of every row of `logits` [B, V] (float32). Without `need_logprobs`
-    the returned logprobs are zeros (no full-vocab log-softmax is computed). `kernels`: sluice's
+    the returned logprobs are None (no full-vocab log-softmax is computed). `kernels`: sluice's
     CPU kernels for the grammar masks, or None (PyTorch ops, the same tokens)."""
     if info.is_all_greedy and _only_grammar(info):
         next_ids = _greedy_with_grammar(logits, info, kernels)
@@ -383,7 +387,7 @@ def sample(
             next_ids = greedy_argmax(processed, kernels)
             next_ids[info.sample_rows] = _sample_rows(processed[info.sample_rows], info)
     if not need_logprobs:
-        return SampleOutput(next_ids, torch.zeros(len(next_ids)), None)
+        return SampleOutput(next_ids, None, None)
     logprobs, top = token_logprobs(logits, next_ids, max_top_k)
     return SampleOutput(next_ids, logprobs, top)
 

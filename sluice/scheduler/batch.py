@@ -102,15 +102,11 @@ def plan_prefill(
 def plan_decode(
     reqs: list[Req], req_to_token: torch.Tensor, slots: torch.Tensor, device: torch.device
 ) -> StepPlan:
-    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-    cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
-    req_to_token[rows, cols] = slots
-    ones = [1] * len(reqs)
-    fb = ForwardBatch.build(
-        ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], cols.tolist(), ones, slots,
-        req_to_token, rows.tolist(), list(range(len(reqs))), device,
-    )  # fmt: skip
-    return StepPlan(reqs, fb, ones, list(reqs), list(range(len(reqs))))
+    fb = ForwardBatch.decode(
+        [r.output_ids[-1] for r in reqs], [r.kv_committed_len for r in reqs],
+        [r.req_pool_idx for r in reqs], slots, req_to_token.numpy(),
+    ).to(device)  # fmt: skip
+    return StepPlan(reqs, fb, [1] * len(reqs), list(reqs), list(range(len(reqs))))
 
 
 def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
@@ -127,9 +123,7 @@ def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
         return result
     logits = _rows(out.logits, plan.last_rows)  # [L, vocab]
     hidden = None if out.hidden is None else _rows(out.hidden, plan.last_rows)
-    # a row's sum is finite iff all its logits are (finite logits never add up to inf): one
-    # reduction instead of an elementwise test over [L, vocab]
-    finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+    finite = _finite_rows(logits, runner.cpu_ops)
     pooled = [i for i, r in enumerate(plan.last) if r.pooled is not None]
     if pooled:
         _pool(plan.last, pooled, logits, hidden, result)
@@ -140,6 +134,15 @@ def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
     if any(finite[i] for i in sampled):
         _sample(plan, [i for i in sampled if finite[i]], logits, result, runner.cpu_ops)
     return result
+
+
+def _finite_rows(logits: torch.Tensor, kernels: Any | None) -> list[bool]:
+    """Per row of float32 logits [L, vocab]: whether all of it is finite. sluice's kernel on the
+    CPU; else a row's sum (finite logits do not add up to inf at logit scale): one reduction,
+    not an elementwise test over [L, vocab]."""
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return kernels.finite_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+    return torch.isfinite(logits.sum(dim=-1)).tolist()
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -464,3 +464,21 @@ def test_argmax_rows_refuses_what_it_cannot_take(ops) -> None:
     for x, message in refusals:
         with pytest.raises(RuntimeError, match=message):
             ops.argmax_rows(x)
+
+
+def test_finite_rows_flags_each_row_with_a_nan_or_an_infinity(ops) -> None:
+    """Every position of a row, in the vector part and the tail past the last whole vector
+    (V = 70 is not a multiple of 8 or 16 lanes), and huge finite values that a row sum would
+    take to inf."""
+    x = torch.randn(10, 70)
+    x[1, 3], x[2, 69], x[3, 40] = float("nan"), float("inf"), float("-inf")
+    x[4, 0] = x[4, 1] = 3e38  # finite, though they add up to inf
+    x[5, 65] = float("nan")
+    x[6].fill_(float("-inf"))
+    expected = torch.isfinite(x).all(dim=-1).tolist()
+    assert expected == [True, False, False, False, True, False, False, True, True, True]
+    assert ops.finite_rows(x) == expected
+    assert ops.finite_rows(x[::2]) == expected[::2]  # rows with a stride of their own
+    assert ops.finite_rows(torch.zeros(0, 70)) == []
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.finite_rows(x.double())

@@ -1092,6 +1092,35 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// Per row of float32 logits [R, V]: whether all its values are finite, by their exponent bits (all
+// ones for an infinity or NaN; a float test such as x * 0 == 0 is folded away under this build's
+// flags). One call instead of the reduction, test and copy of PyTorch ops the step ran here, each
+// slow right after a forward has streamed the weights through the caches.
+std::vector<bool> finite_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "finite_rows: logits must be 2-D float32 with contiguous rows");
+  typedef int32_t vi __attribute__((vector_size(4 * W)));
+  constexpr int32_t EXP = 0x7f800000;
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  const float* xp = logits.data_ptr<float>();
+  const int64_t full = V / W * W;
+  std::vector<bool> out(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = xp + r * stride;
+    vi bad = {};
+    for (int64_t t = 0; t < full; t += W) {
+      vi bits;
+      std::memcpy(&bits, x + t, sizeof bits);
+      bad |= (bits & EXP) == EXP;  // -1 in a lane whose value is not finite
+    }
+    bool ok = true;
+    for (int i = 0; i < W; ++i) ok &= bad[i] == 0;
+    for (int64_t t = full; t < V; ++t) ok &= std::isfinite(x[t]);
+    out[r] = ok;
+  }
+  return out;
+}
+
 // -inf, in place, on the tokens each mask row does not allow in its logits row
 void grammar_mask_(at::Tensor& logits, const at::Tensor& masks,
                    const std::optional<at::Tensor>& rows) {
@@ -1118,6 +1147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, pybind11::arg("logits"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("finite_rows", &finite_rows, pybind11::arg("logits"));
   m.def("grammar_mask_", &grammar_mask_, pybind11::arg("logits"), pybind11::arg("masks"),
         pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("small_linear_max_rows") = SMALL_LINEAR_MAX_ROWS;

@@ -137,7 +137,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> ForwardOutput:
         """Logits and final-norm hidden states (last-token pooling) of the `fb.logits_index`
         rows, from one forward; the hidden rows cost nothing extra."""
-        hidden = self.model(fb, kv, input_embeds)[fb.logits_index]  # [N, hidden]
+        hidden = self.model(fb, kv, input_embeds)  # [T, hidden]
+        if not fb.all_logits:
+            hidden = hidden[fb.logits_index]  # [N, hidden]
         return ForwardOutput(self.lm_head(hidden), hidden)
 
     @torch.no_grad()

@@ -1,0 +1,59 @@
+"""ForwardBatch's DECODE batches: `decode` (the scheduler's per-step path, NumPy on views of the
+pool) against what `build` makes of the same batch as a one-token EXTEND."""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.model.forward_batch import ForwardBatch, ForwardMode
+
+
+def _pool() -> torch.Tensor:
+    """A req_to_token whose rows hold stale slots (1000 + position) past every length."""
+    return 1000 + torch.arange(24, dtype=torch.int64).repeat(4, 1)
+
+
+def test_decode_writes_the_new_slots_and_pads_each_row_with_slot_0() -> None:
+    ids, positions, rows = [11, 12, 13], [5, 2, 9], [3, 0, 1]
+    slots = torch.tensor([50, 51, 52])
+    r2t = _pool()
+    fb = ForwardBatch.decode(ids, positions, rows, slots, r2t.numpy())
+    assert [int(r2t[r, p]) for r, p in zip(rows, positions, strict=True)] == [50, 51, 52]
+    assert fb.mode == ForwardMode.DECODE and fb.batch_size == 3 and fb.max_q == 1
+    assert fb.input_ids.tolist() == ids and fb.positions.tolist() == positions
+    assert fb.seq_lens.tolist() == [6, 3, 10] and fb.out_cache_loc is slots
+    assert fb.kv_indices.shape == (3, 10)
+    for b, (r, n) in enumerate(zip(rows, [6, 3, 10], strict=True)):
+        assert fb.kv_indices[b, :n].tolist() == r2t[r, :n].tolist()
+        assert fb.kv_indices[b, n:].tolist() == [0] * (10 - n)
+    assert fb.logits_index.tolist() == [0, 1, 2] and fb.all_logits
+    assert fb.prefix_lens_cpu.tolist() == positions and fb.extend_lens_cpu.tolist() == [1, 1, 1]
+    for t in (fb.input_ids, fb.positions, fb.kv_indices, fb.seq_lens, fb.logits_index):
+        assert t.dtype == torch.int64 and t.is_contiguous()
+
+
+def test_decode_matches_a_one_token_extend_of_the_same_batch() -> None:
+    """The general path (EXTEND, one new token a request) reads the same slots and positions."""
+    ids, positions, rows = [7, 8], [4, 1], [2, 0]
+    slots = torch.tensor([60, 61])
+    r2t = _pool()
+    r2t[rows, positions] = slots
+    extend = ForwardBatch.build(
+        ForwardMode.EXTEND, ids, positions, [1, 1], slots, r2t, rows, [0, 1], torch.device("cpu")
+    )
+    via_build = ForwardBatch.build(
+        ForwardMode.DECODE, ids, positions, [1, 1], slots, r2t, rows, [0, 1], torch.device("cpu")
+    )
+    decode = ForwardBatch.decode(ids, positions, rows, slots, _pool().numpy())
+    for fb in (via_build, decode):
+        for name in ("input_ids", "positions", "kv_indices", "seq_lens", "logits_index"):
+            assert torch.equal(getattr(fb, name), getattr(extend, name)), name
+
+
+def test_a_decode_batch_with_some_logits_rows_keeps_them() -> None:
+    r2t = _pool()
+    fb = ForwardBatch.build(
+        ForwardMode.DECODE, [1, 2, 3], [0, 1, 2], [1, 1, 1], torch.tensor([5, 6, 7]), r2t,
+        [0, 1, 2], [0, 2], torch.device("cpu"),
+    )  # fmt: skip
+    assert fb.logits_index.tolist() == [0, 2] and not fb.all_logits

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
-import zmq.asyncio
 
 from sluice.messages import (
     AbortReq,
@@ -46,6 +45,7 @@ from sluice.utils import ipc
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 60.0
+DRAIN_MAX = 64  # messages taken in one callback of the event loop
 PROCESS_FAILURE = "the server is shutting down after a process failure"
 INBOX = ipc.Inbox(ToHttp)
 
@@ -72,17 +72,18 @@ class ModelClient:
         self.last_scheduler_contact = time.monotonic()
         self.heartbeat_seen = False
         self._peer = peer
-        self._ctx = zmq.asyncio.Context()
-        # sends never block (no high-water mark), so plain sockets do; one I/O thread for all
-        sync_ctx = zmq.Context.shadow(self._ctx)
-        self._to_scheduler = ipc.push_socket(sync_ctx, addrs.scheduler_in)
+        # plain sockets: sends never block (no high-water mark), and the PULL is read on the
+        # event loop's readiness callback (`_drain`), not through zmq.asyncio's futures (one a
+        # message, several times the CPU of the read itself)
+        self._ctx = zmq.Context()
+        self._to_scheduler = ipc.push_socket(self._ctx, addrs.scheduler_in)
         self._to_detokenizer = (
-            ipc.push_socket(sync_ctx, addrs.detokenizer_in) if addrs.has_detokenizer else None
+            ipc.push_socket(self._ctx, addrs.detokenizer_in) if addrs.has_detokenizer else None
         )
         self._recv_sock = ipc.pull_socket(self._ctx, addrs.tokenizer_in)
         self._handlers: dict[type, Callable[[Any], None]] = {}
         self._waiters: dict[type, deque[asyncio.Future[Any]]] = {t: deque() for t in replies}
-        self._loop_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def on(self, msg_type: type, handler: Callable[[Any], None]) -> None:
         """Hand every arriving output of `msg_type` (BatchStrOutput, BatchEmbeddingOutput) to
@@ -92,12 +93,14 @@ class ModelClient:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._recv_sock.getsockopt(zmq.FD), self._drain)
+        self._loop.call_soon(self._drain)  # what arrived before the reader was added
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._loop is not None:
+            self._loop.remove_reader(self._recv_sock.getsockopt(zmq.FD))
+            self._loop = None
         for sock in (self._to_scheduler, self._to_detokenizer, self._recv_sock):
             if sock is not None:
                 sock.close(linger=0)
@@ -148,14 +151,23 @@ class ModelClient:
 
     # ---- receiving ------------------------------------------------------------------------
 
-    async def _handle_loop(self) -> None:
-        while True:
-            data = await self._recv_sock.recv()
+    def _drain(self) -> None:
+        """The socket's waiting messages, up to DRAIN_MAX (then the loop's other callbacks run
+        before the rest). zmq's descriptor signals only a change, so it is read until empty:
+        a recv that finds nothing leaves it armed for the next message."""
+        if self._loop is None:
+            return
+        for _ in range(DRAIN_MAX):
+            try:
+                data = self._recv_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             self.last_scheduler_contact = time.monotonic()
             try:
                 self._dispatch(INBOX.decode(data))
             except Exception:  # this loop must outlive any one bad message
                 logger.exception("failed to handle a message from the %s", self._peer)
+        self._loop.call_soon(self._drain)
 
     def _dispatch(self, msg: ToHttp) -> None:
         match msg:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from sluice.messages import (
     ToDetokenizer,
     ToScheduler,
 )
+from sluice.tokenizer import model_client
 from sluice.tokenizer.model_client import ModelClient
 from sluice.tokenizer.normalize import RequestError
 from sluice.utils import ipc
@@ -127,5 +129,49 @@ def test_aborts_reach_the_detokenizer_only_where_there_is_one(peer: Peer) -> Non
         assert peer.received(peer.scheduler) == [AbortReq(rid="b", reply_to=encoder.reply_to)]
         assert peer.received(peer.detokenizer) == []
         await encoder.close()
+
+    asyncio.run(go())
+
+
+def test_a_burst_of_outputs_arrives_whole_and_in_order_while_the_loop_stays_free(
+    peer: Peer,
+) -> None:
+    """More outputs than one read takes (DRAIN_MAX): every one reaches its handler, in order,
+    and other callbacks of the event loop run between the reads; one that cannot be decoded is
+    logged and skipped; after close nothing more is read."""
+
+    async def go() -> None:
+        client = await _started(peer)
+        got: list[tuple[str, int]] = []  # (rid, the ticker's count when it was handled)
+        ticks = 0
+        client.on(BatchEmbeddingOutput, lambda out: got.append((out.rids[0], ticks)))
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        n = 200
+        assert n > 3 * model_client.DRAIN_MAX
+        for i in range(n):  # all queued before the loop reads any (no await in between)
+            ipc.send(peer.back, BatchEmbeddingOutput([f"r{i}"], [b""], [1], [aborted()], [""]))
+            if i == 7:
+                peer.back.send(b"not a message")
+        time.sleep(0.3)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(got) == n:
+                break
+        assert [rid for rid, _ in got] == [f"r{i}" for i in range(n)]
+        # read in 4 turns at least, the ticker running between them
+        assert len({tick for _, tick in got}) >= 4
+        await client.close()
+        ipc.send(peer.back, BatchEmbeddingOutput(["late"], [b""], [1], [aborted()], [""]))
+        await asyncio.sleep(0.05)
+        assert len(got) == n
+        task.cancel()
 
     asyncio.run(go())

@@ -19,6 +19,10 @@ ACTIVE wait policy its threads spin for ever, so such a configuration is refused
 
 A configuration is `label[:ENV=V,...[:sluice serve flags]]`; every server also gets
 `--no-embedding-model` unless `--with-embedding-model`. The workloads are `serving.py`'s.
+
+`--llama-server` adds llama.cpp's server (`llama_server.py`'s build, the same GGUF, serving.py's
+flags) as one more member of every round, and prints the first configuration / llama-server by
+pairs: issue 14's peer ratios, with the drift paired out. One configuration is then enough.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from serving import (  # noqa: E402
     Workload,
     _drive,
     free_port,
+    llama_command,
     make_prompts,
     run_loop,
     select_workloads,
@@ -49,6 +54,7 @@ from serving import (  # noqa: E402
 )
 
 DEFAULT_CLIENTS = 32  # clients of a trial for the workloads that do not name their own
+LLAMA = "llama-server"  # the peer's label (`--llama-server`)
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,11 @@ def order_for_round(labels: list[str], round_index: int) -> list[str]:
     return labels if round_index % 2 == 0 else labels[::-1]
 
 
+def inverse_ratios(results: dict[str, list[float]], base: str, peer: str) -> list[float]:
+    """base / peer, trial by trial (the pairs of `trial_ratios`, turned the other way)."""
+    return [b / p for b, p in zip(results[base], results[peer], strict=True)]
+
+
 def run_trial(base_url: str, wl: Workload, prompts: list) -> float:
     stats, errors, elapsed = run_loop(_drive(base_url, prompts, wl, len(prompts)))
     if errors:
@@ -115,21 +126,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12, help="trials per configuration and workload")
     ap.add_argument("--clients", type=int, default=DEFAULT_CLIENTS)
     ap.add_argument("--with-embedding-model", action="store_true")
+    ap.add_argument(
+        "--llama-server", action="store_true",
+        help="llama.cpp's server as one more member of every round (built on first use)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     try:
         configs = [parse_config(spec) for spec in args.config]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    labels = [c.label for c in configs]
+    labels = [c.label for c in configs] + ([LLAMA] if args.llama_server else [])
     if len(set(labels)) != len(labels) or len(labels) < 2:
-        raise SystemExit("give at least two --config, with different labels")
+        raise SystemExit(
+            f"give at least two --config, or one and --llama-server, with different labels "
+            f"(not {LLAMA!r})"
+        )
     workloads = select_workloads(args.workloads)
     if any(wl.kind != "completion" for wl in workloads):
         raise SystemExit("the embedding workload has no output tokens to compare")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from sluice.checkpoint.hf_dir import load_model_config
+    from sluice.checkpoint.hf_dir import default_model_path, load_model_config
+    from sluice.utils.system import available_cpus
     from sluice.utils.tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer(load_model_config(None).hf_dir)
@@ -145,6 +164,14 @@ def main() -> None:
                 "/health_generate", env=env,
             )  # fmt: skip
             servers[c.label] = server.__enter__()
+        if args.llama_server:
+            from llama_server import ensure_binary
+
+            port = free_port()
+            most = max(wl.clients or args.clients for wl in workloads)  # its parallel slots
+            cmd = llama_command(ensure_binary(), default_model_path(), port, most, available_cpus())
+            server = ServerProcess(LLAMA, cmd, f"http://127.0.0.1:{port}", "/health")
+            servers[LLAMA] = server.__enter__()
         for w, wl in enumerate(workloads):
             clients = wl.clients or args.clients
             warm = make_prompts(tokenizer, wl, 2, seed=args.seed + 1000 * w + 999)
@@ -164,6 +191,12 @@ def main() -> None:
                     f" max {max(ratios):.3f}); trials {[round(v) for v in values]}",
                     flush=True,
                 )
+            if args.llama_server:
+                pairs = inverse_ratios(results, labels[0], LLAMA)
+                print(
+                    f"{labels[0]} / {LLAMA}: median {statistics.median(pairs):.3f} (min "
+                    f"{min(pairs):.3f}, max {max(pairs):.3f}) by pairs", flush=True,
+                )  # fmt: skip
     finally:
         for server in servers.values():
             server.__exit__(None, None, None)

@@ -46,3 +46,8 @@ def test_each_trial_is_divided_by_the_base_trial_of_its_round(ab: ModuleType) ->
 def test_the_order_alternates_between_rounds(ab: ModuleType) -> None:
     labels = ["a", "b", "c"]
     assert [ab.order_for_round(labels, r) for r in range(3)] == [labels, labels[::-1], labels]
+
+
+def test_the_peer_ratio_is_the_first_configuration_over_the_peer_by_pairs(ab: ModuleType) -> None:
+    results = {"sluice": [200.0, 150.0, 210.0], ab.LLAMA: [100.0, 100.0, 70.0]}
+    assert ab.inverse_ratios(results, "sluice", ab.LLAMA) == [2.0, 1.5, 3.0]

@@ -60,7 +60,7 @@ class ForwardBatch:
     # PyTorch's SDPA computes all of it, sluice's kernel only that share (DECODE: not used, 1)
     mask_density: float = 1.0
     mm_inputs: MultimodalInputs | None = None  # images with positions in this forward; None: none
-    all_logits: bool = True  # `logits_index` is every row of T, in order
+    all_logits: bool = False  # `logits_index` is known to be every row of T, in order
     _padded: PaddedQueries | None = field(default=None, repr=False)
 
     @classmethod
@@ -163,6 +163,7 @@ class ForwardBatch:
             mode=ForwardMode.DECODE, batch_size=bs, input_ids=ids, positions=pos,
             out_cache_loc=out_cache_loc, kv_indices=torch.from_numpy(kv_indices), seq_lens=seq_t,
             max_q=1, logits_index=everyone, prefix_lens_cpu=pos, extend_lens_cpu=ones,
+            all_logits=True,
         )  # fmt: skip
 
     def to(self, device: torch.device) -> ForwardBatch:

@@ -6,7 +6,8 @@ drift as much as the configurations. Here every configuration (a label, environm
 extra `sluice serve` flags) gets its own server, all of them up at once; then, per workload and
 for `--rounds` rounds, each server runs one short trial (the workload's clients, one request
 each, all sent together: one batch), in an order that alternates between rounds. The servers'
-trials of a round get the same prompts. Printed per configuration: the median output tok/s
+trials of a round get the same prompts, each after the machine is 90% idle again
+(`wait_quiet`). Printed per configuration: the median output tok/s
 (completion tokens / the trial's wall time) and the paired ratio to the first configuration's
 trial of the same round (median, min, max): the figure to read, since drift falls on both
 members of a pair alike. An idle server sleeps (its scheduler blocks on its sockets once its
@@ -23,6 +24,8 @@ A configuration is `label[:ENV=V,...[:sluice serve flags]]`; every server also g
 `--llama-server` adds llama.cpp's server (`llama_server.py`'s build, the same GGUF, serving.py's
 flags) as one more member of every round, and prints the first configuration / llama-server by
 pairs: issue 14's peer ratios, with the drift paired out. One configuration is then enough.
+`--vllm` does the same with vLLM's CPU backend (`vllm_server.py`: its venv, made on first use,
+the Hugging Face copy of the GGUF in bfloat16; about a minute to start).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import shlex
 import signal
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +58,9 @@ from serving import (  # noqa: E402
 )
 
 DEFAULT_CLIENTS = 32  # clients of a trial for the workloads that do not name their own
-LLAMA = "llama-server"  # the peer's label (`--llama-server`)
+LLAMA = "llama-server"  # the peers' labels (`--llama-server`, `--vllm`)
+VLLM = "vLLM-cpu"
+QUIET_IDLE = 0.9  # share of the machine idle before each trial (`wait_quiet`)
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,31 @@ def inverse_ratios(results: dict[str, list[float]], base: str, peer: str) -> lis
     return [b / p for b, p in zip(results[base], results[peer], strict=True)]
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of the whole machine, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields)  # idle + iowait
+
+
+def wait_quiet(idle_share: float = QUIET_IDLE, window_s: float = 0.1, max_s: float = 5.0) -> float:
+    """Wait until the machine is at least `idle_share` idle over a `window_s` window, at most
+    `max_s`; returns the seconds waited. A server whose threads spin for a while after its
+    trial (vLLM's OpenMP team does, for about a second) would otherwise slow the next trial:
+    the order alternates, but with three servers the same one follows it every other round."""
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    start = time.monotonic()
+    idle0, total0 = _cpu_times()
+    while time.monotonic() - start < max_s:
+        time.sleep(window_s)
+        idle1, total1 = _cpu_times()
+        if total1 > total0 and (idle1 - idle0) / (total1 - total0) >= idle_share:
+            break
+        idle0, total0 = idle1, total1
+    return time.monotonic() - start
+
+
 def run_trial(base_url: str, wl: Workload, prompts: list) -> float:
     stats, errors, elapsed = run_loop(_drive(base_url, prompts, wl, len(prompts)))
     if errors:
@@ -130,17 +161,22 @@ def main() -> None:
         "--llama-server", action="store_true",
         help="llama.cpp's server as one more member of every round (built on first use)",
     )  # fmt: skip
+    ap.add_argument(
+        "--vllm", action="store_true",
+        help="vLLM's CPU backend as one more member of every round (its venv made on first use)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     try:
         configs = [parse_config(spec) for spec in args.config]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    labels = [c.label for c in configs] + ([LLAMA] if args.llama_server else [])
+    peers = [name for name, on in ((LLAMA, args.llama_server), (VLLM, args.vllm)) if on]
+    labels = [c.label for c in configs] + peers
     if len(set(labels)) != len(labels) or len(labels) < 2:
         raise SystemExit(
-            f"give at least two --config, or one and --llama-server, with different labels "
-            f"(not {LLAMA!r})"
+            f"give at least two --config, or one and a peer (--llama-server, --vllm), with "
+            f"different labels (not {LLAMA!r} or {VLLM!r})"
         )
     workloads = select_workloads(args.workloads)
     if any(wl.kind != "completion" for wl in workloads):
@@ -172,6 +208,17 @@ def main() -> None:
             cmd = llama_command(ensure_binary(), default_model_path(), port, most, available_cpus())
             server = ServerProcess(LLAMA, cmd, f"http://127.0.0.1:{port}", "/health")
             servers[LLAMA] = server.__enter__()
+        if args.vllm:
+            import vllm_server
+
+            port = free_port()
+            most = max(wl.clients or args.clients for wl in workloads)
+            cmd = vllm_server.vllm_command(
+                vllm_server.ensure_venv(), load_model_config(None).hf_dir, port, most
+            )
+            env = vllm_server.vllm_env()
+            server = ServerProcess(VLLM, cmd, f"http://127.0.0.1:{port}", "/health", env=env)
+            servers[VLLM] = server.__enter__()
         for w, wl in enumerate(workloads):
             clients = wl.clients or args.clients
             warm = make_prompts(tokenizer, wl, 2, seed=args.seed + 1000 * w + 999)
@@ -181,6 +228,7 @@ def main() -> None:
             for r in range(args.rounds):
                 prompts = make_prompts(tokenizer, wl, clients, seed=args.seed + 1000 * w + r)
                 for label in order_for_round(labels, r):
+                    wait_quiet()
                     results[label].append(run_trial(servers[label].base_url, wl, prompts))
             print(f"\n== {wl.name}: {wl.describe()}, {clients} clients a trial ==")
             for label, ratios in trial_ratios(results, labels[0]).items():
@@ -191,10 +239,10 @@ def main() -> None:
                     f" max {max(ratios):.3f}); trials {[round(v) for v in values]}",
                     flush=True,
                 )
-            if args.llama_server:
-                pairs = inverse_ratios(results, labels[0], LLAMA)
+            for peer in peers:
+                pairs = inverse_ratios(results, labels[0], peer)
                 print(
-                    f"{labels[0]} / {LLAMA}: median {statistics.median(pairs):.3f} (min "
+                    f"{labels[0]} / {peer}: median {statistics.median(pairs):.3f} (min "
                     f"{min(pairs):.3f}, max {max(pairs):.3f}) by pairs", flush=True,
                 )  # fmt: skip
     finally:

@@ -51,3 +51,9 @@ def test_the_order_alternates_between_rounds(ab: ModuleType) -> None:
 def test_the_peer_ratio_is_the_first_configuration_over_the_peer_by_pairs(ab: ModuleType) -> None:
     results = {"sluice": [200.0, 150.0, 210.0], ab.LLAMA: [100.0, 100.0, 70.0]}
     assert ab.inverse_ratios(results, "sluice", ab.LLAMA) == [2.0, 1.5, 3.0]
+
+
+def test_waiting_for_a_quiet_machine_is_bounded(ab: ModuleType) -> None:
+    assert ab.wait_quiet(idle_share=0.0, window_s=0.01, max_s=5.0) < 5.0  # any window will do
+    waited = ab.wait_quiet(idle_share=1.01, window_s=0.01, max_s=0.05)  # none will
+    assert 0.05 <= waited < 5.0

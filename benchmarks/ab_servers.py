@@ -63,6 +63,7 @@ from serving import (  # noqa: E402
     run_loop,
     select_workloads,
     sluice_command,
+    timed_generate,
 )
 
 DEFAULT_CLIENTS = 32  # clients of a trial for the workloads that do not name their own
@@ -110,18 +111,10 @@ class EngineMember:
 
 def serve_trials(engine: Any, lines: Iterable[str], out: TextIO) -> None:
     """The worker's loop: a result line for each trial line (see EngineMember)."""
-    params = {"temperature": 0, "ignore_eos": True}
     for line in lines:
         job = json.loads(line)
-        n = job["output_len"]
-        start = time.perf_counter()
-        outs = engine.generate(
-            input_ids=job["prompts"], sampling_params={**params, "max_new_tokens": n}
-        )
-        seconds = time.perf_counter() - start
-        counts = [o["meta_info"]["completion_tokens"] for o in outs]
-        wrong = sum(c != n for c in counts)
-        out.write(json.dumps({"tokens": sum(counts), "seconds": seconds, "wrong": wrong}) + "\n")
+        result = timed_generate(engine, job["prompts"], job["output_len"])
+        out.write(json.dumps(result) + "\n")
         out.flush()
 
 

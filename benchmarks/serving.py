@@ -448,24 +448,31 @@ def engine_kwargs(sluice_args: list[str]) -> dict:
     return {k: v for k, v in given.items() if v != defaults[k] and k not in skip}
 
 
+def timed_generate(engine, prompts: list, output_len: int) -> dict:
+    """One greedy `generate` of all `prompts` together, each to `output_len` tokens (EOS
+    ignored): its output tokens, seconds and how many requests ended short ("wrong")."""
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": output_len}
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - start
+    counts = [o["meta_info"]["completion_tokens"] for o in outs]
+    return {
+        "tokens": sum(counts),
+        "seconds": seconds,
+        "wrong": sum(c != output_len for c in counts),
+    }
+
+
 def engine_worker() -> None:
     """Runs in a subprocess: job JSON on stdin, one result JSON line per workload on stdout."""
     from sluice import Engine
 
     job = json.load(sys.stdin)
     engine = Engine(**job["engine_kwargs"])
-    base = {"temperature": 0, "ignore_eos": True}
     for item in job["workloads"]:
-        engine.generate(
-            input_ids=item["warm"], sampling_params={**base, "max_new_tokens": WARMUP_OUTPUT}
-        )
-        params = {**base, "max_new_tokens": item["output_len"]}
-        start = time.perf_counter()
-        outs = engine.generate(input_ids=item["prompts"], sampling_params=params)
-        elapsed = time.perf_counter() - start
-        counts = [o["meta_info"]["completion_tokens"] for o in outs]
-        wrong = sum(c != item["output_len"] for c in counts)
-        print(json.dumps({"name": item["name"], "elapsed": elapsed, "tokens": sum(counts), "wrong": wrong}), flush=True)  # fmt: skip
+        timed_generate(engine, item["warm"], WARMUP_OUTPUT)
+        r = timed_generate(engine, item["prompts"], item["output_len"])
+        print(json.dumps({"name": item["name"], "elapsed": r["seconds"], "tokens": r["tokens"], "wrong": r["wrong"]}), flush=True)  # fmt: skip
     engine.shutdown()
 
 

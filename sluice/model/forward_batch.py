@@ -147,7 +147,7 @@ class ForwardBatch:
         `req_to_token` (the CPU pool's NumPy view), where its slot out_cache_loc[b] is written
         here. Made with NumPy and one array for all the [B] rows: a PyTorch op costs tens of
         microseconds right after a forward has streamed the weights through the caches (about
-        ten of them made a decode step's metadata), NumPy's a few."""
+        twenty of them made a decode step's metadata), NumPy's a few."""
         bs = len(rows)
         seq = [p + 1 for p in positions]
         meta = np.array(  # [6, B]

@@ -188,6 +188,32 @@ def int8_float_bound(x: torch.Tensor, w: torch.Tensor, mins: torch.Tensor) -> to
     return (nb + 10) * 2.0**-24 * (1 + 2**-20) * (amax @ (w_abs + 64 * mins.abs()).T)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x_is_rounded_to_int8_per_block_alike_by_every_build(int8_ops, dtype) -> None:
+    """The integer path's rounding of x (`quantize_activations`), per block of 32 values: q =
+    round(x * (127 / max|x|)) in float32, ties to even, dx = max|x| / 127, s = dx * sum q. The
+    AVX-512 and AVX2 builds vectorize it; every build must give these bits."""
+    m, nb = 19, 5  # rows past one chunk of the row split (16); an odd number of blocks
+    x = torch.randn(m, nb * 32, generator=torch.Generator().manual_seed(7))
+    x[0, :32] *= 1000  # blocks of very different scales
+    x[1, 32:64] = 0  # dx = 0
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5] * 4)
+    x[2, 64:96] = ties
+    x[2, 64] = -127.0  # max |x| = 127 from a negative value: 127 / max|x| = 1, ties stay ties
+    x[3, 96:128] = -x[3, 96:128].abs()
+    x = x.to(dtype)
+    q, dx, s = int8_ops.quantize_activations(x)
+    xf = x.float().numpy().reshape(m, nb, 32)
+    amax = np.abs(xf).max(-1)
+    inv = np.float32(127) / np.where(amax > 0, amax, np.float32(1))
+    inv = np.where(amax > 0, inv, np.float32(0)).astype(np.float32)
+    ref = np.clip(np.rint(xf * inv[..., None]), -127, 127).astype(np.int8)
+    assert ref[2, 2, :8].tolist() == [-127, 2, 2, 0, -2, -2, 126, -126]  # the ties, to even
+    assert q.dtype == torch.int8 and np.array_equal(q.numpy(), ref.reshape(m, -1))
+    assert np.array_equal(dx.numpy(), amax / np.float32(127))
+    assert np.array_equal(s.numpy(), dx.numpy() * ref.sum(-1).astype(np.float32))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m,k,n", INT8_SHAPES)
 def test_int8_activations_within_the_rounding_bound(int8_ops, qtype, m, k, n) -> None:

@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -446,35 +447,104 @@ struct QuantX {  // rows of x rounded to int8 per block; one allocation, 64-byte
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
+// x's 32 values of one block rounded to int8: q[i] = round(x[i] * 127 / amax) (to nearest,
+// ties to even), amax = max |x[i]|; d[0..7] = amax / 127; *s = d * sum q. The vector versions
+// compute each value as the scalar one does (one float32 multiply, one rounding), so every
+// build rounds a finite x alike, bit for bit (`quantize_activations` shows the results).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <typename In>
+inline void quantize_block(const In* x, int8_t* q, float* d, float* s) {
+  const __m512 v0 = load16f(x), v1 = load16f(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 vi = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  constexpr int RND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(
+      hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v0, vi), RND))));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(
+      hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_mul_ps(v1, vi), RND))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  _mm256_storeu_ps(d, _mm256_set1_ps(dx));
+  *s = dx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+}
+#elif defined(__AVX2__)
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <typename In>
+inline void quantize_block(const In* x, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8f(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 vi = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  __m256i qi[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vi),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    sum = _mm256_add_epi32(sum, qi[i]);
+  }
+  // packs work within 128-bit lanes: the bytes come out as dwords 0 4 1 5 2 6 3 7
+  const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                       _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  _mm256_storeu_ps(d, _mm256_set1_ps(dx));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *s = dx * static_cast<float>(_mm_cvtsi128_si32(s4));
+}
+#else
+template <typename In>
+inline void quantize_block(const In* x, int8_t* q, float* d, float* s) {
+  float v[QK], amax = 0.f;
+  for (int i = 0; i < QK; ++i) {
+    v[i] = to_float(x[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int i = 0; i < QK; ++i) {
+    const float r = std::min(127.f, std::max(-127.f, std::nearbyint(v[i] * inv)));
+    q[i] = static_cast<int8_t>(r);
+    sum += q[i];
+  }
+  for (int i = 0; i < 8; ++i) d[i] = dx;
+  *s = dx * static_cast<float>(sum);
+}
+#endif
+
 template <typename In>
 void quantize_x(const In* x, int64_t K, QuantX& qx) {
   const int64_t nb = K / QK;
   sluice::parallel_for(0, qx.M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < qx.nbp; ++b) {
-        int8_t* q = qx.q + (m * qx.nbp + b) * QK;
-        float* d = qx.d + (m * qx.nbp + b) * 8;
-        if (b == nb) {  // the padding block
-          std::memset(q, 0, QK);
-          for (int i = 0; i < 8; ++i) d[i] = 0.f;
-          qx.s[m * qx.nbp + b] = 0.f;
-          continue;
-        }
-        float v[QK], amax = 0.f;
-        for (int i = 0; i < QK; ++i) {
-          v[i] = to_float(x[m * K + b * QK + i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        for (int i = 0; i < QK; ++i) {
-          const float r = std::min(127.f, std::max(-127.f, std::nearbyint(v[i] * inv)));
-          q[i] = static_cast<int8_t>(r);
-          sum += q[i];
-        }
-        for (int i = 0; i < 8; ++i) d[i] = dx;
-        qx.s[m * qx.nbp + b] = dx * static_cast<float>(sum);
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t row = m * qx.nbp;
+      for (int64_t b = 0; b < nb; ++b)
+        quantize_block(x + m * K + b * QK, qx.q + (row + b) * QK, qx.d + (row + b) * 8,
+                       qx.s + row + b);
+      if (nb < qx.nbp) {  // the padding block
+        std::memset(qx.q + (row + nb) * QK, 0, QK);
+        std::fill_n(qx.d + (row + nb) * 8, 8, 0.f);
+        qx.s[row + nb] = 0.f;
       }
+    }
   });
 }
 
@@ -1128,6 +1198,31 @@ at::Tensor gguf_blocks(const at::Tensor& w, int64_t type, int64_t K) {
   return out;
 }
 
+// x [M, K] (float32 or bfloat16, K a multiple of 32) rounded to int8 per block of 32 as the
+// integer path rounds it: (q int8 [M, K], dx float32 [M, K / 32], dx * the sum of the block's
+// q float32 [M, K / 32]), x ~ dx * q block by block.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % QK == 0 &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x: a 2-D float32 or bfloat16 CPU tensor of whole blocks of ", QK);
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  QuantX qx(M, nb);
+  if (x.scalar_type() == at::kFloat) quantize_x(xc.data_ptr<float>(), K, qx);
+  else quantize_x(xc.data_ptr<at::BFloat16>(), K, qx);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  at::Tensor s = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(q.data_ptr<int8_t>() + m * K, qx.q + m * qx.nbp * QK, K);
+    for (int64_t b = 0; b < nb; ++b) {
+      d.data_ptr<float>()[m * nb + b] = qx.d[(m * qx.nbp + b) * 8];
+      s.data_ptr<float>()[m * nb + b] = qx.s[m * qx.nbp + b];
+    }
+  }
+  return {q, d, s};
+}
+
 // y = x w^T + bias: x [M, K] float32 or bfloat16, w [N, K / 32 * block_bytes] uint8 blocks of
 // `type` (a ggml type id), bias [N] or None (any float dtype). Returns [M, N] in x's dtype.
 // int8_activations: bfloat16 x takes the integer path (x rounded to int8 per block) for the
@@ -1496,6 +1591,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("type"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("int8_activations") = false);
+  m.def("quantize_activations", &quantize_activations, pybind11::arg("x"));
   m.def("dequantize", &dequantize, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"),
         pybind11::arg("dtype"));
   m.def("repack", &repack, pybind11::arg("w"), pybind11::arg("type"), pybind11::arg("K"));

@@ -63,6 +63,7 @@ from serving import (  # noqa: E402
     run_loop,
     select_workloads,
     sluice_command,
+    sluice_origin,
     timed_generate,
 )
 
@@ -270,6 +271,7 @@ def main() -> None:
             port = free_port()
             extra = c.flags if args.with_embedding_model else ["--no-embedding-model", *c.flags]
             env = {**os.environ, **c.env}
+            print(f"{c.label}: sluice from {sluice_origin(env)}", flush=True)
             server = ServerProcess(
                 c.label, sluice_command(port, extra), f"http://127.0.0.1:{port}",
                 "/health_generate", env=env,

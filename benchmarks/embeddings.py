@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 
 def start_server(embedding_path: str | None, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(port), "--log-level", "warning",
+    cmd = [sys.executable, "-P", "-m", "sluice", "serve", "--port", str(port), "--log-level", "warning",
            "--max-total-tokens", "4096"]  # fmt: skip
     if embedding_path:
         cmd += ["--embedding-model-path", embedding_path]

@@ -394,8 +394,22 @@ class ServerProcess:
                 continue
 
 
+# -P: no current directory at the head of sys.path, so that a PYTHONPATH tree (another checkout,
+# for an A/B) is the sluice that runs even when the benchmark is started from this checkout
+SLUICE_PYTHON = [sys.executable, "-P"]
+
+
 def sluice_command(port: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "sluice", "serve", "--port", str(port), *extra]
+    return [*SLUICE_PYTHON, "-m", "sluice", "serve", "--port", str(port), *extra]
+
+
+def sluice_origin(env: dict[str, str] | None = None) -> str:
+    """The folder of the sluice package that `sluice_command` runs under `env`."""
+    code = "import os, sluice; print(os.path.dirname(sluice.__file__))"
+    out = subprocess.run([*SLUICE_PYTHON, "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"sluice does not import with this environment: {out.stderr[-500:]}")
+    return out.stdout.strip()
 
 
 def llama_command(binary: Path, gguf: str, port: int, concurrency: int, threads: int) -> list[str]:

@@ -3,6 +3,7 @@ the alternating order."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -84,3 +85,27 @@ def test_the_engine_worker_answers_each_trial_with_its_tokens_and_seconds(ab: Mo
         [[1, 2], [3]],
         {"temperature": 0, "ignore_eos": True, "max_new_tokens": 5},
     )
+
+
+def test_a_pythonpath_tree_is_the_sluice_a_server_runs_even_from_this_checkout(
+    ab: ModuleType, tmp_path, monkeypatch
+) -> None:
+    """A configuration's PYTHONPATH (another checkout) must win over the current directory,
+    which `python -m` would otherwise put first: the servers of an A/B started from this
+    checkout then ran this checkout's code on both sides."""
+    import os
+    import subprocess
+
+    other = tmp_path / "other-checkout"
+    (other / "sluice").mkdir(parents=True)
+    (other / "sluice" / "__init__.py").write_text("")
+    (other / "sluice" / "__main__.py").write_text("import sys; print(__file__); sys.exit(3)\n")
+    checkout = Path(__file__).parents[2]
+    monkeypatch.chdir(checkout)
+    env = {**os.environ, "PYTHONPATH": str(other)}
+    assert ab.sluice_origin(env) == str(other / "sluice")
+    run = subprocess.run(
+        ab.sluice_command(0, []), env=env, cwd=checkout, capture_output=True, text=True
+    )
+    assert run.returncode == 3 and run.stdout.strip() == str(other / "sluice" / "__main__.py")
+    assert ab.sluice_origin({**os.environ, "PYTHONPATH": ""}) == str(checkout / "sluice")

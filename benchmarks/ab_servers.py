@@ -20,7 +20,10 @@ ACTIVE wait policy its threads spin for ever, so such a configuration is refused
         [--llama-server] [--vllm] [--engine]
 
 A configuration is `label[:ENV=V,...[:sluice serve flags]]`; every server also gets
-`--no-embedding-model` unless `--with-embedding-model`. The workloads are `serving.py`'s.
+`--no-embedding-model` unless `--with-embedding-model`. The workloads are `serving.py`'s. To
+compare two checkouts, give the other one as PYTHONPATH (`git worktree add /tmp/base REV`,
+then `--config "base:PYTHONPATH=/tmp/base" --config new`): servers start with `python -P`, so
+that tree's sluice is the one that runs, and each configuration's first line names the folder.
 
 `--llama-server` adds llama.cpp's server (`llama_server.py`'s build, the same GGUF, serving.py's
 flags) as one more member of every round, and prints the first configuration / llama-server by

@@ -3,6 +3,8 @@ the alternating order."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 from types import ModuleType
 
@@ -93,9 +95,6 @@ def test_a_pythonpath_tree_is_the_sluice_a_server_runs_even_from_this_checkout(
     """A configuration's PYTHONPATH (another checkout) must win over the current directory,
     which `python -m` would otherwise put first: the servers of an A/B started from this
     checkout then ran this checkout's code on both sides."""
-    import os
-    import subprocess
-
     other = tmp_path / "other-checkout"
     (other / "sluice").mkdir(parents=True)
     (other / "sluice" / "__init__.py").write_text("")

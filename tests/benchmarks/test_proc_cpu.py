@@ -55,7 +55,9 @@ def test_tree_cpu_names_each_descendant_and_the_client(proc_cpu: ModuleType) -> 
         root.kill()
         root.wait()
     assert set(ms) == {proc_cpu.CLIENT}  # both exited before the last look: left out
-    assert ms[proc_cpu.CLIENT] >= 0.9  # 0.1 s over 100 tokens
+    # 0.1 s over 100 tokens, less up to two clock ticks: /proc counts CPU time by the tick (a
+    # run measured 0.9 - 1e-15 here, nine ticks of 10 ms)
+    assert ms[proc_cpu.CLIENT] >= 0.7
 
 
 def test_tree_cpu_counts_a_live_descendant(proc_cpu: ModuleType) -> None:

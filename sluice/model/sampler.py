@@ -151,6 +151,15 @@ def _is_greedy(p: SamplingParams) -> bool:
     return p.temperature < GREEDY_EPS or p.top_k == 1
 
 
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """Greedy, with no logit processor of its own (penalties, logit_bias): its token is the
+    argmax of the raw logits, or with a grammar, of the raw logits the grammar allows."""
+    return (
+        _is_greedy(p) and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0 and not p.logit_bias
+    )  # fmt: skip
+
+
 def _top_k(p: SamplingParams, vocab_size: int) -> int:
     """The row's top-k, 0 when it does not filter anything."""
     return p.top_k if 0 < p.top_k < vocab_size else 0

@@ -16,6 +16,7 @@ the hidden states are only asked of the model when an embedding request is in th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,15 @@ from sluice.aborts import internal_error
 from sluice.messages import FinishReason, TopLogprobs
 from sluice.model.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from sluice.model.runner import ModelRunner
-from sluice.model.sampler import SamplingBatchInfo, TopK, sample, token_logprobs
+from sluice.model.sampler import (
+    SampleOutput,
+    SamplingBatchInfo,
+    TopK,
+    is_plain_greedy,
+    masked_argmax,
+    sample,
+    token_logprobs,
+)
 from sluice.scheduler.req import EMBED, SCORE, Req
 
 NON_FINITE = internal_error("the model produced non-finite logits for this request")
@@ -37,9 +46,11 @@ NON_FINITE = internal_error("the model produced non-finite logits for this reque
 class StepPlan:
     """What one forward computes. `last[i]` has its logits at row `last_rows[i]`: its prompt is
     complete after this step (prefill) or it decodes; `spans` are the prompt-logprob ranges
-    (req, first logits row, first position). `grammar_masks` [G, ceil(V / 32)] are those of the
-    requests of `last` that a grammar constrains now, in order: filled while the forward runs,
-    so sampling waits for them."""
+    (req, first logits row, first position). Of the requests of `last` that a grammar
+    constrains now (`Scheduler._plan_grammar`), those of `checked` take their greedy token when
+    their grammar allows it and only otherwise get a mask (`fill_masks`, after the forward);
+    the others (`masked`) have their masks `grammar_masks` [G, ceil(V / 32)], in order, filled
+    while the forward runs, so sampling waits for them."""
 
     reqs: list[Req]
     forward: ForwardBatch
@@ -47,7 +58,10 @@ class StepPlan:
     last: list[Req]
     last_rows: list[int]
     spans: list[tuple[Req, int, int]] = field(default_factory=list)
+    masked: list[Req] = field(default_factory=list)
     grammar_masks: Future[torch.Tensor] | None = None
+    checked: list[Req] = field(default_factory=list)
+    fill_masks: Callable[[list[Req]], torch.Tensor] | None = None
 
 
 @dataclass
@@ -158,8 +172,21 @@ def sampled_rows(plan: StepPlan) -> list[int]:
 
 
 def constrained_reqs(plan: StepPlan) -> list[Req]:
-    """The sampling requests whose grammar masks the plan must carry, in order."""
+    """The sampling requests that a grammar constrains in this step, in order."""
     return [plan.last[i] for i in sampled_rows(plan) if plan.last[i].is_constrained]
+
+
+def checks_first(req: Req) -> bool:
+    """A constrained request whose mask is filled only if its grammar refuses its greedy token:
+    greedy with no logit processor (no penalties, logit_bias, stops blocked below
+    min_new_tokens), no optional reasoning to open, and no bytes forced next (there the mask
+    is narrower than the grammar, see `GrammarMatcher.allows`). Its token is the argmax of its
+    raw logits when the grammar allows that token, which is then also the argmax of the allowed
+    ones (the first index of their maximum): the token a mask would give."""
+    return (
+        req.reasoning_start_id < 0 and is_plain_greedy(req.params) and not _blocks_stops(req)
+        and not req.grammar.has_forced_bytes
+    )  # fmt: skip
 
 
 def _input_logprobs(
@@ -197,13 +224,14 @@ def _sample(
     plan: StepPlan, rows: list[int], logits: torch.Tensor, result: StepOutput, kernels: Any | None
 ) -> None:
     """Sample one token for each of the `rows` of plan.last (generation requests with finite
-    logits); grammar-constrained ones get their mask (plan.grammar_masks follow
-    `constrained_reqs(plan)`), applied by `kernels` (the runner's CPU kernels) when not None."""
+    logits); the requests of plan.masked get their mask (plan.grammar_masks, in their order),
+    those of plan.checked one only if their grammar refuses their greedy token; masks are
+    applied by `kernels` (the runner's CPU kernels) when not None."""
     reqs = [plan.last[i] for i in rows]
-    grammar_rows = [j for j, r in enumerate(reqs) if r.is_constrained]
+    order = {id(r): k for k, r in enumerate(plan.masked)}
+    grammar_rows = [j for j, r in enumerate(reqs) if id(r) in order]
     masks = None
     if grammar_rows:
-        order = {id(r): k for k, r in enumerate(constrained_reqs(plan))}
         masks = plan.grammar_masks.result()[[order[id(reqs[j])] for j in grammar_rows]]
     info = SamplingBatchInfo.build(
         [r.params for r in reqs], [r.seed for r in reqs],
@@ -216,6 +244,8 @@ def _sample(
     picked = logits[rows] if len(rows) < len(plan.last) else logits
     out = sample(picked, info, max_top, want_lp, kernels)
     tokens = out.next_token_ids.tolist()
+    if plan.checked:
+        _check_grammars(plan, reqs, picked, tokens, out, kernels)
     lps = out.logprobs.tolist() if want_lp else None
     tops = _top_list(out.top_logprobs, len(reqs)) if want_lp and max_top else None
     for j, (i, req) in enumerate(zip(rows, reqs, strict=True)):
@@ -227,6 +257,33 @@ def _sample(
             result.top_logprobs[i] = (
                 TopLogprobs(top.token_ids[:k], top.logprobs[:k]) if top else TopLogprobs([], [])
             )
+
+
+def _check_grammars(
+    plan: StepPlan,
+    reqs: list[Req],
+    logits: torch.Tensor,
+    tokens: list[int],
+    out: SampleOutput,
+    kernels: Any | None,
+) -> None:
+    """The checked requests' greedy tokens (`tokens`, by row of `reqs` and `logits`) that their
+    grammar refuses are replaced, in place, by the argmax of the logits it allows, with their
+    masks filled now; so are their logprobs in `out` (always those of the raw logits)."""
+    checked = {id(r) for r in plan.checked}
+    refused = [
+        j for j, r in enumerate(reqs) if id(r) in checked and not r.grammar.allows(tokens[j])
+    ]
+    if not refused:
+        return
+    rows = torch.tensor(refused, dtype=torch.int64, device=logits.device)
+    masks = plan.fill_masks([reqs[j] for j in refused])
+    fixed = masked_argmax(logits, masks, rows, kernels)
+    for j, token in zip(refused, fixed.tolist(), strict=True):
+        tokens[j] = token
+    out.next_token_ids[rows] = fixed
+    if out.logprobs is not None:
+        out.logprobs[rows] = token_logprobs(logits[rows], fixed)[0]
 
 
 def _pool(

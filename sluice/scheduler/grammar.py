@@ -12,12 +12,17 @@ A request that carries a grammar (`json_schema`, `regex` or `ebnf` in its sampli
   the thread finishes on its own and its result is dropped); time spent waiting for a free
   thread does not count, and a compilation nobody waits for any more is cancelled if it has
   not started;
-- each step, `fill_masks` writes the allowed-token bitmask of every constrained row of a batch
-  in one call (llguidance's executor); the sampler reads them as bitmasks over the batch's
-  logits (`model/sampler.py`, with the CPU kernels' `masked_argmax` for greedy rows).
-  `start_masks` runs it on a thread of its own while the forward runs (both release the GIL):
-  the step joins it before sampling, and before anything advances a matcher again, so a
-  matcher is never read and advanced at once.
+- a plain greedy row (`batch.checks_first`: no penalties, logit bias or blocked stops, no
+  forced bytes next) needs no mask when its grammar allows its raw argmax (`allows`), which is
+  then the masked argmax too; only a refused row gets its mask, after the forward
+  (`check_first`; off, every constrained row gets one);
+- `fill_masks` writes the allowed-token bitmasks of the other constrained rows of a step, one
+  matcher after the other on its thread (llguidance's executor added threads that spun beside
+  the forward's: benchmarks/README.md, `structured_output.py`); the sampler reads
+  them as bitmasks over the batch's logits (`model/sampler.py`, with the CPU kernels'
+  `masked_argmax` for greedy rows). `start_masks` runs it on a thread of its own while the
+  forward runs (both release the GIL): the step joins it before sampling, and before anything
+  advances a matcher again, so a matcher is never read and advanced at once.
 
 The matcher advances with each accepted token; when the grammar can take no further token it is
 stopped, and the request ends with "stop". An `ebnf` grammar is Lark (llguidance's dialect, which
@@ -88,6 +93,20 @@ class GrammarMatcher:
             return None
         return self._m.get_error() or f"token {token} is not allowed by the grammar"
 
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next (the state is not changed). Where no bytes are forced
+        this is what the mask says of it; where some are, the mask is narrower (llguidance
+        allows only the forced bytes' canonical tokens there), so ask the mask."""
+        try:
+            return self._m.validate_tokens([token]) == 1
+        except (ValueError, OverflowError):  # an id the tokenizer does not have
+            return False
+
+    @property
+    def has_forced_bytes(self) -> bool:
+        """The grammar allows one continuation only for the next bytes (e.g. a key's rest)."""
+        return bool(self._m.compute_ff_bytes())
+
     @property
     def is_terminated(self) -> bool:
         """The grammar takes no further token (it matched in full and cannot go on)."""
@@ -108,17 +127,19 @@ class GrammarManager:
         timeout: float,
         num_threads: int = 2,
         overlap: bool = True,
+        check_first: bool = True,
     ) -> None:
         self.hf_tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
         # masks are filled beside the forward (`overlap`), one step at a time
         self.overlap = overlap
+        # plain greedy requests fill a mask only when their grammar refuses their token
+        self.check_first = check_first
         self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.cache: OrderedDict[tuple[str, str], _Job] = OrderedDict()
         self.queue: list[tuple[Any, tuple[str, str], _Job]] = []  # (req, key, its compilation)
         self._lltok: Any = None
         self._lltok_lock = threading.Lock()
-        self._executor: Any = None
         self.num_words = (vocab_size + BITS - 1) // BITS
         # llguidance's tokenizer takes about half a second to build, holding the GIL: at
         # start-up, off the loop, rather than when the first grammar arrives
@@ -257,16 +278,13 @@ class GrammarManager:
 
     def fill_masks(self, reqs: list[Any]) -> torch.Tensor:
         """The allowed-token bitmask [G, ceil(V / 32)] int32 of each request's next token: its
-        grammar's, plus the opening token of an optional reasoning on its first token."""
-        import llguidance
-
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(1)
+        grammar's, plus the opening token of an optional reasoning on its first token. On the
+        calling thread, one matcher after the other (each call drops the GIL): beside the
+        forward, which has the cores, or after it for a few rows; llguidance's executor would
+        add threads that spin beside the forward's."""
         masks = torch.empty((len(reqs), self.num_words), dtype=torch.int32)
-        pairs = [(r.grammar._m, i) for i, r in enumerate(reqs)]
-        self._executor.unsafe_compute_mask_ptr(
-            pairs, masks.data_ptr(), self.num_words * 4, len(pairs)
-        )
+        for i, req in enumerate(reqs):
+            req.grammar._m.unsafe_compute_mask_ptr(masks[i].data_ptr(), self.num_words * 4)
         for i, req in enumerate(reqs):
             if req.reasoning_start_id >= 0:
                 word, bit = divmod(req.reasoning_start_id, BITS)

@@ -46,6 +46,7 @@ from sluice.model.runner import ModelRunner
 from sluice.scheduler.batch import (
     StepOutput,
     StepPlan,
+    checks_first,
     constrained_reqs,
     execute,
     plan_decode,
@@ -404,9 +405,7 @@ class Scheduler:
             try:
                 r2t, device = self.req_pool.req_to_token, self.runner.device
                 plan = (plan_prefill if prefill else plan_decode)(reqs, r2t, slots, device)
-                constrained = constrained_reqs(plan)
-                if constrained:
-                    plan.grammar_masks = self.grammars.start_masks(constrained)
+                self._plan_grammar(plan)
                 try:
                     out = execute(self.runner, plan)
                 finally:  # the matchers are the loop's again only once the masks are filled
@@ -427,6 +426,20 @@ class Scheduler:
                 if not req.is_finished and id(req) not in kept:
                     self.touched.append(req)
                     self.finish(req, reason)
+
+    def _plan_grammar(self, plan: StepPlan) -> None:
+        """Which constrained requests of the step check their greedy token against their grammar
+        (a mask only if it is refused) and which have their masks filled beside the forward."""
+        constrained = constrained_reqs(plan)
+        if not constrained:
+            return
+        if self.grammars.check_first:
+            plan.checked = [r for r in constrained if checks_first(r)]
+            plan.fill_masks = self.grammars.fill_masks
+        checked = {id(r) for r in plan.checked}
+        plan.masked = [r for r in constrained if id(r) not in checked]
+        if plan.masked:
+            plan.grammar_masks = self.grammars.start_masks(plan.masked)
 
     # ---- per-request results ------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import pytest
 
 from sluice.engine import Engine, parse_sampling_params
 from sluice.messages import AbortReq, TokenizedGenerateReqInput
+from sluice.scheduler.grammar import GrammarMatcher
 from tests.scheduler.conftest import MakeEngine, RawDriver, RawResult
 from tests.scheduler.test_retraction import set_new_token_ratio
 
@@ -388,6 +389,88 @@ def test_masks_are_filled_beside_the_forward_with_the_same_output(
     beside_out = _generate(engine, grammars_in, max_new_tokens=48)
     assert len(beside) > 10 and all(beside)
     assert [o["output_ids"] for o in beside_out] == [o["output_ids"] for o in before]
+
+
+def test_greedy_rows_check_their_token_before_any_mask_with_the_same_output(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain greedy row takes its raw argmax when its grammar allows it and gets a mask only
+    when it does not (or when bytes are forced): over the whole corpus, tokens and logprobs are
+    those of masks filled for every row."""
+    grammars = engine.scheduler.grammars
+    work = (
+        [{"json_schema": json.dumps(s["schema"])} for s in CORPUS["json_schemas"]]
+        + [{"regex": r["regex"]} for r in CORPUS["regexes"]]
+        + [{"ebnf": g["grammar"]} for g in CORPUS["lark"]]
+    )
+
+    def run() -> list[dict]:
+        return engine.generate(
+            input_ids=[_prompt(engine)] * len(work),
+            sampling_params=[{**g, "temperature": 0, "max_new_tokens": 64} for g in work],
+            return_logprob=True,
+        )
+
+    monkeypatch.setattr(grammars, "check_first", False)
+    masked = run()
+    monkeypatch.setattr(grammars, "check_first", True)
+    answers: list[bool] = []
+    allows = GrammarMatcher.allows
+
+    def counted(self: GrammarMatcher, token: int) -> bool:
+        answers.append(allows(self, token))
+        return answers[-1]
+
+    monkeypatch.setattr(GrammarMatcher, "allows", counted)
+    checked = run()
+    # the noise model's argmax is often refused and often allowed: both paths ran
+    assert answers.count(True) > 100 and answers.count(False) > 100, answers.count(True)
+    for out, ref in zip(checked, masked, strict=True):
+        assert out["output_ids"] == ref["output_ids"]
+        assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+        lps = out["meta_info"]["output_token_logprobs"]
+        assert lps == pytest.approx(ref["meta_info"]["output_token_logprobs"], abs=1e-5)
+
+
+def test_forced_bytes_take_the_mask_with_its_canonical_tokens(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a grammar forces the next bytes, llguidance's mask allows only their canonical
+    tokens, while the grammar would take any split of them: such a greedy row gets the mask.
+    Here the raw argmax is always "h", a split of the forced "humidity" that the grammar
+    allows and the mask does not."""
+    grammars, runner = engine.scheduler.grammars, engine.scheduler.runner
+    h = engine.tokenizer.convert_tokens_to_ids("h")
+    matcher = grammars.compile(("regex", "humidity")).future.result().matcher
+    state = GrammarMatcher(matcher.deep_copy())
+    assert state.has_forced_bytes and state.allows(h)
+    word, bit = divmod(h, 32)
+    assert not (int(grammars.fill_masks([_Row(state)])[0, word]) >> bit) & 1
+
+    forward = runner.forward
+
+    def pushed(fb: Any) -> Any:
+        logits = forward(fb).clone()
+        logits[:, h] += 100.0
+        return logits
+
+    monkeypatch.setattr(runner, "forward", pushed)
+    outs = {}
+    for check in (False, True):
+        monkeypatch.setattr(grammars, "check_first", check)
+        outs[check] = engine.generate(
+            input_ids=_prompt(engine),
+            sampling_params={"regex": "humidity", "temperature": 0, "max_new_tokens": 8},
+        )
+    assert outs[True]["text"] == "humidity" and outs[True]["output_ids"][0] != h
+    assert outs[True]["output_ids"] == outs[False]["output_ids"]
+
+
+class _Row:
+    """What `fill_masks` reads of a request."""
+
+    def __init__(self, grammar: GrammarMatcher) -> None:
+        self.grammar, self.reasoning_start_id = grammar, -1
 
 
 def test_a_failing_forward_waits_for_its_masks_before_its_requests_end(

@@ -6,7 +6,9 @@ in flight (closed loop: a finished request is replaced at once):
   A  unconstrained, 128 tokens, `ignore_eos`;
   B  a `json_schema` (8 schemas of the corpus round-robin), ending when the JSON closes;
   A' A's requests held (`ignore_eos`) to the lengths B's same requests had;
-  Bseq B with the masks filled before the forward instead of beside it (`--only B,Bseq`).
+  Bseq B with the masks filled before the forward instead of beside it (`--only B,Bseq`);
+  Beager B with every mask filled beside the forward: B's greedy rows fill one only when their
+     grammar refuses their token (`--only B,Beager`).
 
 For each it counts the steps by kind (prefill alone, mixed, decode), rows per step and prompt
 tokens per prefill, and times (wall and process CPU, all threads) the forward, the sampler,
@@ -176,7 +178,7 @@ def main() -> None:
         "--only",
         default="A,B,A'",
         help="workloads to run, comma-separated: A, B, A', Bseq (B, masks filled before the "
-        "forward rather than beside it)",
+        "forward rather than beside it), Beager (B, every mask filled beside the forward)",
     )
     args = ap.parse_args()
     engine = Engine(**json.loads(args.engine_args))
@@ -192,18 +194,19 @@ def main() -> None:
     only = args.only.split(",")
     b_lens = drive(engine, b, args.concurrency)  # B's lengths, for A'
     matched = [(p, {**plain, "max_new_tokens": n}) for p, n in zip(ids, b_lens, strict=True)]
-    work = {"A": a, "B": b, "Bseq": b, "A'": matched}
+    work = {"A": a, "B": b, "Bseq": b, "Beager": b, "A'": matched}
     for r in range(args.rounds):
         print(f"round {r + 1}, load {os.getloadavg()[0]:.2f}")
         results = {}
         for name in only:
             engine.scheduler.grammars.overlap = name != "Bseq"
+            engine.scheduler.grammars.check_first = name != "Beager"
             drive(engine, work[name], args.concurrency)
             results[name] = STATS
             report(name, STATS)
         tok_cpu = {k: v.output_tokens / v.cpu for k, v in results.items()}
         tok_wall = {k: v.output_tokens / v.wall for k, v in results.items()}
-        for x, y in (("B", "A"), ("B", "A'"), ("A'", "A"), ("B", "Bseq")):
+        for x, y in (("B", "A"), ("B", "A'"), ("A'", "A"), ("B", "Bseq"), ("B", "Beager")):
             if x in results and y in results:
                 print(
                     f"  {x}/{y}: {tok_wall[x] / tok_wall[y]:.3f} wall, "

@@ -1,4 +1,4 @@
-"""FusedDecode: a decode step through a llama decoder stack in one C++ call.
+"""FusedDecode: a decode step (or a short extend) through a llama decoder stack in one C++ call.
 
 The per-op path (`LlamaModel.forward`) runs about ten kernels a layer, each behind
 `nn.Module.__call__`, pybind and ATen's dispatch; at one row that glue costs about as much as the
@@ -9,9 +9,13 @@ bit. The LM head, sampling and everything else stay as they are.
 It is built once at load (`install_fused_decode`), holding every layer's weight handles and KV
 pool tensors, when the model is a llama stack whose linear layers are all GGUF blocks (one type a
 layer, no bias) on sluice's CPU kernels; otherwise the model keeps the per-op path alone, and the
-log says why. Per batch it takes decode steps of 1 to `max_rows` rows over its own KV cache
-(`supports`); every other batch (prefill, extend, more rows, another cache, a vision model's input
-embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps its
+log says why. Per batch it takes, over its own KV cache and up to `max_rows` tokens
+(`supports`), decode steps and the extends whose attention the per-op path gives the kernels too
+(few queries a request, or a sparse padded mask: a mixed step, where decoding requests meet an
+arriving prompt, above all), each new token a row of its own that reads its request's slots up
+to its position, as `extend_attention` does. Every other batch (a dense prefill, which SDPA's
+attention takes, more tokens, another cache, a vision model's input embeddings) takes the per-op
+path. `max_rows` is unbounded where every linear layer keeps its
 blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs
 without AMX: DecodeLayers calls that GEMM as QuantLinear does); a float copy for many rows
 (float32, AMX CPUs, the K-quants) bounds it at the rows the block kernel computes.
@@ -48,6 +52,7 @@ class FusedDecode:
         rope = first.rope
         self.kv = kv
         self.max_rows = _max_rows(model)
+        self.attention = first.attn.backends[0]  # the kernels' (`why_not_fused`)
         self.enabled = True
         self.steps = 0
         self.layers = ops.DecodeLayers(
@@ -63,20 +68,31 @@ class FusedDecode:
             )  # fmt: skip
 
     def supports(self, fb: ForwardBatch, kv: KVCache) -> bool:
+        """A decode step, or an extend whose queries the per-op path gives the kernels' attention
+        too (few a request, e.g. a mixed step: decoding rows beside a prompt's uncached tail),
+        of at most `max_rows` tokens, over this cache."""
+        if not self.enabled or kv is not self.kv:
+            return False
+        if fb.mode == ForwardMode.DECODE:
+            return 1 <= fb.batch_size <= self.max_rows
         return (
-            self.enabled
-            and fb.mode == ForwardMode.DECODE
-            and 1 <= fb.batch_size <= self.max_rows
-            and kv is self.kv
-        )
+            fb.mode == ForwardMode.EXTEND and fb.q_rows is not None
+            and 1 <= fb.q_rows.shape[0] <= self.max_rows and self.attention.supports(fb)
+        )  # fmt: skip
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """The final-norm hidden states [B, hidden] of the batch's tokens, each token's K/V
+        """The final-norm hidden states [T, hidden] of the batch's tokens, each token's K/V
         written into the cache as the per-op path writes them."""
         self.steps += 1
+        if fb.mode == ForwardMode.DECODE:
+            return self.layers.forward(
+                fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),
+                fb.seq_lens,
+            )  # fmt: skip
         return self.layers.forward(
-            fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(), fb.seq_lens
-        )
+            fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),
+            fb.q_seq_lens, fb.q_rows,
+        )  # fmt: skip
 
 
 def install_fused_decode(model: nn.Module, kv: KVCache) -> FusedDecode | None:

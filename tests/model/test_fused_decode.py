@@ -63,25 +63,30 @@ def _interleaved(model: torch.nn.Module) -> list[bool]:
     return [m.kernel_type != m.qtype for m in model.modules() if isinstance(m, QuantLinear)]
 
 
+def _both_ways(runner: ModelRunner, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fused logits, per-op logits) of one batch: fused first, then per-op over the same slots
+    (which it rewrites with the same K/V)."""
+    fused = runner.fused_decode
+    fused.enabled = True
+    with_fused = runner.forward(fb)
+    fused.enabled = False
+    per_op = runner.forward(fb)
+    fused.enabled = True
+    return with_fused, per_op
+
+
 def _decode_both_ways(
     runner: ModelRunner, steps: int, prompts: list[list[int]] = PROMPTS
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(fused logits, per-op logits) of each decode step after a prefill of `prompts`; each step
-    runs fused first, then per-op over the same slots, and feeds on the per-op path's argmax."""
-    fused = runner.fused_decode
-    logits = runner.forward(_batch(ForwardMode.EXTEND, prompts, [0] * len(prompts)))
+    """`_both_ways` of the prefill of `prompts` (an extend of a few queries a request: the
+    kernels' attention takes it, so the fused path does too) and of each decode step after it;
+    each step feeds on the per-op path's argmax."""
+    pairs = [_both_ways(runner, _batch(ForwardMode.EXTEND, prompts, [0] * len(prompts)))]
     lens = [len(p) for p in prompts]
-    pairs = []
     for _ in range(steps):
-        tokens = [[t] for t in logits.argmax(-1).tolist()]
-        fb = _batch(ForwardMode.DECODE, tokens, lens)
-        fused.enabled = True
-        with_fused = runner.forward(fb)
-        fused.enabled = False
-        logits = runner.forward(fb)
-        pairs.append((with_fused, logits))
+        tokens = [[t] for t in pairs[-1][1].argmax(-1).tolist()]
+        pairs.append(_both_ways(runner, _batch(ForwardMode.DECODE, tokens, lens)))
         lens = [n + 1 for n in lens]
-    fused.enabled = True
     return pairs
 
 
@@ -104,7 +109,7 @@ def test_fused_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, dtype, qua
     interleaved = dtype == torch.bfloat16 and bool(quant_ops().interleaved_types)
     assert set(_interleaved(runner.model)) == {interleaved}
     pairs = _decode_both_ways(runner, steps=6)
-    assert fused.steps == 6  # the decode steps it was enabled for, not the prefill
+    assert fused.steps == 7  # the prefill and the decode steps, each once (enabled)
     for with_fused, per_op in pairs:
         assert with_fused.dtype == torch.float32 and with_fused.shape == per_op.shape
         assert torch.equal(with_fused, per_op)
@@ -122,10 +127,35 @@ def test_fused_decode_of_a_large_batch_gives_the_per_op_logits_exactly(
         pytest.skip("batches past 8 rows take a float copy of the weights on this CPU")
     prompts = [[100 + 7 * b + i for i in range(1 + b % 5)] for b in range(10)]  # 10 requests
     pairs = _decode_both_ways(runner, steps=4, prompts=prompts)
-    assert runner.fused_decode.steps == 4
+    assert runner.fused_decode.steps == 5
     for with_fused, per_op in pairs:
         assert with_fused.shape == (10, per_op.shape[1])
         assert torch.equal(with_fused, per_op)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_fused_extends_give_the_per_op_logits_exactly(tiny_llama_dir, dtype, quantization) -> None:
+    """A mixed step (decoding rows beside a prompt's uncached tail) and chunks on cached
+    prefixes: each new token a row of its own, reading its request's slots up to its position,
+    as the kernels' extend attention reads them."""
+    runner = _runner(tiny_llama_dir, dtype, quantization)
+    fused = runner.fused_decode
+    prompts = [[100 + 7 * b + i for i in range(4 + 3 * b)] for b in range(4)]
+    runner.forward(_batch(ForwardMode.EXTEND, prompts, [0] * len(prompts)))
+    lens = [len(p) for p in prompts]
+    batches = [
+        # three decoding requests and one whose prompt goes on by 3 tokens
+        _batch(ForwardMode.EXTEND, [[11], [12], [13], [14, 15, 16]], lens),
+        # chunks of 5 and 2 tokens on the first two requests' prefixes
+        _batch(ForwardMode.EXTEND, [[21, 22, 23, 24, 25], [26, 27]], lens[:2]),
+    ]
+    steps = fused.steps
+    for fb in batches:
+        assert fused.supports(fb, runner.kv)
+        with_fused, per_op = _both_ways(runner, fb)
+        assert with_fused.shape == per_op.shape and torch.equal(with_fused, per_op)
+    assert fused.steps == steps + len(batches)
 
 
 def test_fused_decode_is_not_taken_where_it_must_not_be(tiny_llama_dir) -> None:
@@ -140,9 +170,12 @@ def test_fused_decode_is_not_taken_where_it_must_not_be(tiny_llama_dir) -> None:
     other_kv = KVCache(64, len(stack.layers), 2, 16, torch.float32, CPU)
     assert not fused.supports(small, other_kv)
     embeds = stack.embed_tokens(small.input_ids)
+    # a fresh prompt past the kernels' few queries: SDPA's causal attention, not the kernels'
+    fresh = _batch(ForwardMode.EXTEND, [list(range(7, 7 + 20))], [0])
+    assert not fused.supports(fresh, runner.kv)
     with torch.inference_mode():
         stack(small, runner.kv, input_embeds=embeds)  # a vision model's way in
-        runner.forward(_batch(ForwardMode.EXTEND, [[7, 8, 9]], [0]))
+        runner.forward(fresh)
     assert fused.steps == 0
     runner.forward(small)
     assert fused.steps == 1

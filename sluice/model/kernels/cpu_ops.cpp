@@ -722,10 +722,12 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
 }
 
 // ---------------------------------------------------------------------------------------------
-// A llama-family decoder stack in one call, for decode steps of a few rows (DecodeLayers, built
-// once at load by sluice.model.fused_decode). It runs the per-op path's kernels in the same
-// order on the same values (add + RMSNorm, the qkv linear, rotary, the KV write, decode
-// attention, o_proj, add + RMSNorm, gate_up, SiLU-and-multiply, down; then the final norm), so
+// A llama-family decoder stack in one call, for decode steps and extends whose attention the
+// kernels take (DecodeLayers, built once at load by sluice.model.fused_decode). It runs the
+// per-op path's kernels in the same order on the same values (add + RMSNorm, the qkv linear,
+// rotary, the KV write of every new token, then attention query by query as decode_attention
+// or extend_attention, o_proj, add + RMSNorm, gate_up, SiLU-and-multiply, down; then the final
+// norm), so
 // its output equals that path's bit for bit; what it saves is the Python, pybind and ATen
 // dispatch around each of the ~10 kernels of each layer. The linear layers are GGUF blocks,
 // computed by quant_ops' kernels through the pointer that `_adopt_quant_linear` sets: the block
@@ -827,15 +829,20 @@ class DecodeLayers {
   // The final-norm hidden states [B, hidden] of B decoding tokens: input_ids, positions and
   // out_cache_loc [B] int64, kv_indices [B, max_kv] int64, seq_lens [B] int64 (each token's
   // request attends to its first seq_lens[b] slots, this token's own among them).
+  // One token a row: input_ids, positions, out_cache_loc, seq_lens [T]. Without q_rows, row t
+  // is a request of its own (a decode step: kv_indices [T, max_kv]); with q_rows [T], token t
+  // reads row q_rows[t] of kv_indices [B, max_kv], its first seq_lens[t] slots (an extend: a
+  // request's new tokens are rows of their own, causal by their lengths, as extend_attention).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
                      const at::Tensor& out_cache_loc, const at::Tensor& kv_indices,
-                     const at::Tensor& seq_lens) const {
+                     const at::Tensor& seq_lens, const std::optional<at::Tensor>& q_rows) const {
     TORCH_CHECK(linear_rows != nullptr, "DecodeLayers needs quant_ops' linear (_adopt_quant_linear)");
     TORCH_CHECK(!layers_.empty(), "DecodeLayers has no layers");
-    check_step(input_ids, positions, out_cache_loc, kv_indices, seq_lens);
+    check_step(input_ids, positions, out_cache_loc, kv_indices, seq_lens, q_rows);
+    const int64_t* rows = q_rows ? q_rows->data_ptr<int64_t>() : nullptr;
     if (embed_.scalar_type() == at::kFloat)
-      return run<float>(input_ids, positions, out_cache_loc, kv_indices, seq_lens);
-    return run<at::BFloat16>(input_ids, positions, out_cache_loc, kv_indices, seq_lens);
+      return run<float>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows);
+    return run<at::BFloat16>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows);
   }
 
  private:
@@ -847,30 +854,44 @@ class DecodeLayers {
 
   // Every index the step reads or writes lies in its table: tokens, positions, pool slots.
   void check_step(const at::Tensor& ids, const at::Tensor& pos, const at::Tensor& loc,
-                  const at::Tensor& kv_indices, const at::Tensor& lens) const {
+                  const at::Tensor& kv_indices, const at::Tensor& lens,
+                  const std::optional<at::Tensor>& q_rows) const {
     for (const at::Tensor* t : {&ids, &pos, &loc, &kv_indices, &lens})
       TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kLong,
-                  "decode metadata: contiguous int64 CPU tensors");
-    const int64_t B = ids.size(0), slots = layers_[0].k_pool.size(0);
-    TORCH_CHECK(B >= 1 && ids.dim() == 1 && pos.sizes() == ids.sizes() &&
+                  "step metadata: contiguous int64 CPU tensors");
+    const int64_t T = ids.size(0), slots = layers_[0].k_pool.size(0);
+    TORCH_CHECK(T >= 1 && ids.dim() == 1 && pos.sizes() == ids.sizes() &&
                 loc.sizes() == ids.sizes() && lens.sizes() == ids.sizes() &&
-                kv_indices.dim() == 2 && kv_indices.size(0) == B, "decode metadata: [B] each, "
-                "kv_indices [B, max_kv]");
-    const int64_t max_kv = kv_indices.size(1);
+                kv_indices.dim() == 2, "step metadata: [T] each, kv_indices [B, max_kv]");
+    const int64_t* rows = nullptr;
+    if (q_rows) {
+      TORCH_CHECK(q_rows->device().is_cpu() && q_rows->is_contiguous() &&
+                  q_rows->scalar_type() == at::kLong && q_rows->sizes() == ids.sizes(),
+                  "q_rows: [T] contiguous int64");
+      rows = q_rows->data_ptr<int64_t>();
+    } else {
+      TORCH_CHECK(kv_indices.size(0) == T, "decode: one kv_indices row a token");
+    }
+    const int64_t B = kv_indices.size(0), max_kv = kv_indices.size(1);
     const int64_t *ip = ids.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
     const int64_t *lp = loc.data_ptr<int64_t>(), *np = lens.data_ptr<int64_t>();
-    const int64_t* kp = kv_indices.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(ip[b] >= 0 && ip[b] < embed_.size(0), "token ", ip[b], " is outside the vocab");
-      TORCH_CHECK(pp[b] >= 0 && pp[b] < cos_.size(0), "position ", pp[b], " is outside the ",
+    std::vector<int64_t> need(B, 0);  // slots each kv_indices row is read up to
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(ip[t] >= 0 && ip[t] < embed_.size(0), "token ", ip[t], " is outside the vocab");
+      TORCH_CHECK(pp[t] >= 0 && pp[t] < cos_.size(0), "position ", pp[t], " is outside the ",
                   cos_.size(0), " positions of the rotary table");
-      TORCH_CHECK(lp[b] >= 0 && lp[b] < slots, "slot ", lp[b], " is outside the pool");
-      TORCH_CHECK(np[b] >= 1 && np[b] <= max_kv, "request ", b, " sees ", np[b],
+      TORCH_CHECK(lp[t] >= 0 && lp[t] < slots, "slot ", lp[t], " is outside the pool");
+      TORCH_CHECK(np[t] >= 1 && np[t] <= max_kv, "token ", t, " sees ", np[t],
                   " slots; it must see 1 to ", max_kv);
-      for (int64_t l = 0; l < np[b]; ++l)
+      const int64_t row = rows ? rows[t] : t;
+      TORCH_CHECK(row >= 0 && row < B, "q_rows[", t, "] = ", row, " is outside kv_indices");
+      need[row] = std::max(need[row], np[t]);
+    }
+    const int64_t* kp = kv_indices.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t l = 0; l < need[b]; ++l)
         TORCH_CHECK(kp[b * max_kv + l] >= 0 && kp[b * max_kv + l] < slots, "slot ",
                     kp[b * max_kv + l], " is outside the pool of ", slots);
-    }
   }
 
   template <typename T>
@@ -900,7 +921,7 @@ class DecodeLayers {
 
   template <typename T>
   at::Tensor run(const at::Tensor& ids, const at::Tensor& pos, const at::Tensor& loc,
-                 const at::Tensor& kv_indices, const at::Tensor& lens) const {
+                 const at::Tensor& kv_indices, const at::Tensor& lens, const int64_t* rows) const {
     const int64_t B = ids.size(0), hidden = embed_.size(1), q_size = H_ * D_;
     const int64_t inter = layers_[0].gate_up.N / 2;
     const auto opt = embed_.options();
@@ -925,7 +946,7 @@ class DecodeLayers {
       for (int64_t b = 0; b < B; ++b)  // q's part of each row, as q.contiguous()
         std::memcpy(q.data_ptr<T>() + b * q_size, qkv.data_ptr<T>() + b * qkv.size(1),
                     q_size * sizeof(T));
-      attention_dispatch<T>(q, l.k_pool, l.v_pool, kv_indices, nullptr, lens, attn, scale_);
+      attention_dispatch<T>(q, l.k_pool, l.v_pool, kv_indices, rows, lens, attn, scale_);
       linear<T>(l.o, attn_rows, x);
       add_rms_norm_impl<T>(x, &residual, l.post_norm, eps_);
       linear<T>(l.gate_up, x, gate_up);
@@ -1169,5 +1190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"))
       .def("add_layer", &DecodeLayers::add_layer)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
-      .def("forward", &DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeLayers::forward, pybind11::arg("input_ids"), pybind11::arg("positions"),
+           pybind11::arg("out_cache_loc"), pybind11::arg("kv_indices"), pybind11::arg("seq_lens"),
+           pybind11::arg("q_rows") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

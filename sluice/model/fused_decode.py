@@ -16,9 +16,10 @@ arriving prompt, above all), each new token a row of its own that reads its requ
 to its position, as `extend_attention` does. Every other batch (a dense prefill, which SDPA's
 attention takes, more tokens, another cache, a vision model's input embeddings) takes the per-op
 path. `max_rows` is unbounded where every linear layer keeps its
-blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs
-without AMX: DecodeLayers calls that GEMM as QuantLinear does); a float copy for many rows
-(float32, AMX CPUs, the K-quants) bounds it at the rows the block kernel computes.
+blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs:
+DecodeLayers calls that GEMM as QuantLinear does); a float copy for many rows bounds it below
+that copy's rows: 32 on CPUs with AMX (the integer GEMM up to there, oneDNN's past), 8 for
+float32 and the K-quants (the rows the block kernel computes).
 SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it off in place
 (benchmarks/decode_step.py compares the two in one process).
 """
@@ -158,9 +159,9 @@ def _block_args(
     module: QuantLinear,
 ) -> tuple[torch.Tensor, int, int, bool, torch.Tensor | None, int]:
     """DecodeLayers' view of a linear layer: its blocks (in the layout `kernel_type` names), and
-    the repacked copy it takes from `dense_min_rows` rows on (bfloat16 only, as
-    QuantLinear.forward)."""
+    the repacked copy it takes from `packed_min_rows` rows on (bfloat16 only, as
+    QuantLinear.forward; `_max_rows` keeps batches within `packed_max_rows`)."""
     return (
         module.qweight, module.kernel_type, module.in_features, module.int8_activations,
-        module.packed, module.dense_min_rows,
+        module.packed, module.packed_min_rows,
     )  # fmt: skip

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from typing import Any
 
@@ -59,8 +60,9 @@ class QuantLinear(nn.Module):
     into a scratch weight at each call instead cost more than the GEMM it feeds. With bfloat16
     x on the integer path (below) and AVX-512 VNNI, the second copy is instead the blocks
     repacked for an integer GEMM (`packed_linear`, 1.25 bytes a weight against bfloat16's 2),
-    which rounds x as the per-row integer path does: a batch and a single row agree (except on
-    CPUs with AMX, where the float copy is kept: `takes_packed`).
+    which rounds x as the per-row integer path does: a batch and a single row agree. CPUs with
+    AMX keep both copies: the repacked blocks up to `AMX_PACKED_MAX_ROWS` rows (a decode batch),
+    oneDNN's bfloat16 GEMM on a float copy past them (prefills), which rounds differently.
 
     With bfloat16 x the kernel rounds each 32-value block of x to int8 with a float scale and
     takes integer dot products (VNNI where the CPU has it), as llama.cpp does: y then differs
@@ -80,6 +82,13 @@ class QuantLinear(nn.Module):
     through the same kernel, so it still equals the per-op path bit for bit."""
 
     KERNEL_MAX_ROWS = 8  # rows the kernel computes in one pass over the blocks
+    # On CPUs with AMX, the most rows the integer GEMM takes before oneDNN's bfloat16 GEMM on a
+    # float copy does (`keep_dense`). Xeon model 207 with AMX, SmolLM2-135M's layers, 2 threads:
+    # the integer GEMM's time over oneDNN's 0.82 at 16 rows, 1.18 at 32, 1.58 at 64, 2.2-2.7 at
+    # 512-1024 (weights hot in the cache); a decode step of 32 rows, where the integer GEMM lets
+    # the fused decode take it, 1209-1245 against 920-1080 tok/s; 64 rows 1160-1505 against
+    # 1475-1696 (benchmarks/decode_step.py).
+    AMX_PACKED_MAX_ROWS = 32
 
     def __init__(
         self,
@@ -111,15 +120,17 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.ops = ops
         self.dense: nn.Module | None = None  # a float copy for many rows, or None
-        self.packed: torch.Tensor | None = None  # or the blocks repacked for packed_linear
-        self.dense_min_rows = 0
+        self.packed: torch.Tensor | None = None  # the blocks repacked for packed_linear, or None
+        self.dense_min_rows = 0  # batches of this many rows or more take `dense`
+        self.packed_min_rows, self.packed_max_rows = 0, 0  # and these take `packed` (bfloat16)
         # bfloat16 x only, and the types the integer path takes
         self.int8_activations = qtype in ops.int8_types and envs.get_bool("SLUICE_QUANT_INT8_ACT")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
         rows = x.shape[0]
-        if self.packed is not None and rows >= self.dense_min_rows and x.dtype == torch.bfloat16:
+        packed = self.packed is not None and self.packed_min_rows <= rows <= self.packed_max_rows
+        if packed and x.dtype == torch.bfloat16:
             return self.ops.packed_linear(x, self.packed, self.out_features, self.bias)
         if self.dense is not None and rows >= self.dense_min_rows:
             return self.dense(x)
@@ -154,27 +165,32 @@ class QuantLinear(nn.Module):
     def takes_packed(self, dtype: torch.dtype) -> bool:
         """Batches of many `dtype` rows go through the integer GEMM on repacked blocks: bfloat16
         x on the integer path, for the 32-value types, where the kernels have that GEMM
-        (AVX-512 VNNI; `ops.packed_types`), unless the CPU has AMX: there oneDNN's bfloat16
-        GEMM on a float copy is the faster one (Xeon model 167, `serving.py`: mixed 399 -> 478
-        output tok/s, shared-prefix 352 -> 390), and a decode batch past `KERNEL_MAX_ROWS` rows
-        rounds differently from a lone row. The K-quants keep a float copy."""
+        (AVX-512 VNNI; `ops.packed_types`). On CPUs with AMX only up to `AMX_PACKED_MAX_ROWS`
+        rows: past them oneDNN's bfloat16 GEMM on a float copy is the faster one (Xeon model
+        167, `serving.py`: mixed 399 -> 478 output tok/s, shared-prefix 352 -> 390). The
+        K-quants keep a float copy."""
         return (
             dtype == torch.bfloat16
             and self.int8_activations
             and self.qtype in self.ops.packed_types
-            and not has_amx_bf16()
         )
 
     def keep_dense(self, dtype: torch.dtype, min_rows: int = KERNEL_MAX_ROWS + 1) -> None:
         """Compute batches of `min_rows` rows or more with a second copy of the weight: the
         blocks repacked for the integer GEMM (`takes_packed`), else a float copy, a PackedLinear
-        where oneDNN takes `dtype`, else a plain linear layer."""
+        where oneDNN takes `dtype`, else a plain linear layer; on CPUs with AMX, the repacked
+        blocks up to `AMX_PACKED_MAX_ROWS` rows and a float copy past them."""
         from sluice.model.layers import PackedLinear, can_pack_linears
 
         self.dense_min_rows, self.dense, self.packed = min_rows, None, None
+        self.packed_min_rows = self.packed_max_rows = 0
         if self.takes_packed(dtype):
             self.packed = self.ops.repack(self.qweight, self.kernel_type, self.in_features)
-            return
+            self.packed_min_rows, self.packed_max_rows = min_rows, sys.maxsize
+            if not has_amx_bf16():
+                return
+            self.packed_max_rows = max(min_rows, self.AMX_PACKED_MAX_ROWS)
+            self.dense_min_rows = self.packed_max_rows + 1
         weight = self.dequantized(dtype)
         bias = None if self.bias is None else self.bias.detach()  # shared: loaded in place
         if can_pack_linears(weight.device, dtype):
@@ -229,21 +245,30 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
         module.keep_dense(dtype)
         if module.can_interleave(dtype):  # after keep_dense: it reads the GGUF blocks as they are
             module.interleave()
-        copy = module.packed if module.packed is not None else module.dense.weight
-        total += copy.numel() * copy.element_size()
+        for copy in (module.packed, getattr(module.dense, "weight", None)):
+            total += 0 if copy is None else copy.numel() * copy.element_size()
         shape = (module.in_features, module.out_features, module.bias is not None)
         if isinstance(module.dense, PackedLinear) and shape not in warmed:
             warmed.add(shape)
             with torch.inference_mode():
                 for rows in range(module.dense_min_rows, PackedLinear.PACKED_MAX_ROWS + 1):
                     module.dense(torch.zeros(rows, module.in_features, dtype=dtype))
-    packed = any(m.packed is not None for m in modules)
-    kind = "repacked int8 (the integer GEMM)" if packed else str(dtype).removeprefix("torch.")
+    packed = [m for m in modules if m.packed is not None]
+    float_copy = str(dtype).removeprefix("torch.") + " copy"
+    if not packed:
+        more = f"a {float_copy}"
+    elif packed[0].packed_max_rows == sys.maxsize:
+        more = "the blocks repacked for the integer GEMM"
+    else:  # AMX
+        more = (
+            f"the blocks repacked for the integer GEMM up to {packed[0].packed_max_rows} rows, "
+            f"a {float_copy} (oneDNN, AMX) past them"
+        )
     woven = sum(m.kernel_type != m.qtype for m in modules)
     logger.info(
-        "block weights: the kernel up to %d rows (%d of %d layers row-interleaved for it), a %s "
-        "copy (%.0f MB) for more",
-        QuantLinear.KERNEL_MAX_ROWS, woven, len(modules), kind, total / 1e6,
+        "block weights: the kernel up to %d rows (%d of %d layers row-interleaved for it), %s "
+        "for more (%.0f MB)",
+        QuantLinear.KERNEL_MAX_ROWS, woven, len(modules), more, total / 1e6,
     )  # fmt: skip
     return total
 

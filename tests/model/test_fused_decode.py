@@ -90,12 +90,15 @@ def _decode_both_ways(
     return pairs
 
 
-def _takes_any_rows(runner: ModelRunner) -> bool:
-    """Whether the linear layers compute batches past the block kernel's rows with the integer
-    GEMM on repacked blocks (which DecodeLayers calls too), not with a float copy."""
-    return all(
-        m.dense is None for m in runner.model.modules() if isinstance(m, QuantLinear)
-    ) and any(m.packed is not None for m in runner.model.modules() if isinstance(m, QuantLinear))
+def _max_rows(runner: ModelRunner) -> int:
+    """The rows the fused decode should take: any number where the linear layers compute
+    batches past the block kernel's rows with the integer GEMM on repacked blocks (which
+    DecodeLayers calls too), up to AMX_PACKED_MAX_ROWS where a float copy takes over past them
+    (AMX), the block kernel's 8 where a float copy takes every batch past those."""
+    modules = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    if not all(m.packed is not None for m in modules):
+        return QuantLinear.KERNEL_MAX_ROWS
+    return sys.maxsize if all(m.dense is None for m in modules) else QuantLinear.AMX_PACKED_MAX_ROWS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -104,7 +107,7 @@ def test_fused_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, dtype, qua
     runner = _runner(tiny_llama_dir, dtype, quantization)
     fused = runner.fused_decode
     assert isinstance(fused, FusedDecode)
-    assert fused.max_rows == (sys.maxsize if _takes_any_rows(runner) else 8)
+    assert fused.max_rows == _max_rows(runner)
     # bfloat16 rows take the integer path: every layer interleaved, where the build has it
     interleaved = dtype == torch.bfloat16 and bool(quant_ops().interleaved_types)
     assert set(_interleaved(runner.model)) == {interleaved}
@@ -121,9 +124,10 @@ def test_fused_decode_of_a_large_batch_gives_the_per_op_logits_exactly(
     tiny_llama_dir, quantization
 ) -> None:
     """Past the block kernel's 8 rows, where the linear layers take the integer GEMM on
-    repacked blocks (bfloat16 on AVX-512 VNNI CPUs without AMX), DecodeLayers calls it too."""
+    repacked blocks (bfloat16 on AVX-512 VNNI CPUs; with AMX up to 32 rows), DecodeLayers calls
+    it too."""
     runner = _runner(tiny_llama_dir, torch.bfloat16, quantization)
-    if not _takes_any_rows(runner):
+    if _max_rows(runner) < 10:
         pytest.skip("batches past 8 rows take a float copy of the weights on this CPU")
     prompts = [[100 + 7 * b + i for i in range(1 + b % 5)] for b in range(10)]  # 10 requests
     pairs = _decode_both_ways(runner, steps=4, prompts=prompts)
@@ -220,7 +224,7 @@ def test_engine_tokens_and_logprobs_fused_or_not_on_the_default_model(smollm2_gg
     )  # fmt: skip
     fused = engine.scheduler.runner.fused_decode
     assert fused is not None
-    assert fused.max_rows == (sys.maxsize if _takes_any_rows(engine.scheduler.runner) else 8)
+    assert fused.max_rows == _max_rows(engine.scheduler.runner)
     interleaved = bool(quant_ops().interleaved_types)  # the layers and the LM head
     assert set(_interleaved(engine.scheduler.runner.model)) == {interleaved}
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -326,11 +326,19 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
     float32.keep_dense(torch.float32, min_rows=16)
     assert float32.packed is None and float32.dense is not None
     monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "1")
-    monkeypatch.setattr(quant_module, "has_amx_bf16", lambda: True)  # AMX: oneDNN's bfloat16 GEMM
+    # AMX: the integer GEMM up to AMX_PACKED_MAX_ROWS rows, oneDNN's bfloat16 GEMM past them
+    monkeypatch.setattr(quant_module, "has_amx_bf16", lambda: True)
     amx = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
     amx.keep_dense(torch.bfloat16, min_rows=16)
-    assert amx.packed is None and amx.dense is not None
+    assert amx.packed is not None and amx.dense is not None
+    most = QuantLinear.AMX_PACKED_MAX_ROWS
+    assert (amx.packed_min_rows, amx.packed_max_rows, amx.dense_min_rows) == (16, most, most + 1)
     assert torch.equal(amx(x[:2]), packed_ops.quant_linear(x[:2], raw, int(T.Q4_1), None, True))
+    assert torch.equal(amx(x), packed_ops.packed_linear(x, packed, 40, None))
+    many = torch.randn(most + 1, 96).bfloat16()
+    assert torch.equal(amx(many), amx.dense(many))
+    assert not torch.equal(amx(many), packed_ops.packed_linear(many, packed, 40, None))
+    assert torch.equal(amx(many[:most]), packed_ops.packed_linear(many[:most], packed, 40, None))
 
 
 # N = 16 (one tile), 33, 37, 70 (tiles then 1-6 GGUF rows), 5 (no tile: GGUF rows only), 600

@@ -260,14 +260,15 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
     elif packed[0].packed_max_rows == sys.maxsize:
         more = "the blocks repacked for the integer GEMM"
     else:  # AMX
+        most = packed[0].packed_max_rows
         more = (
-            f"the blocks repacked for the integer GEMM up to {packed[0].packed_max_rows} rows, "
-            f"a {float_copy} (oneDNN, AMX) past them"
+            f"the blocks repacked for the integer GEMM up to {most} rows and a {float_copy} "
+            f"(oneDNN's AMX GEMM) past {most}"
         )
     woven = sum(m.kernel_type != m.qtype for m in modules)
     logger.info(
-        "block weights: the kernel up to %d rows (%d of %d layers row-interleaved for it), %s "
-        "for more (%.0f MB)",
+        "block weights: the kernel up to %d rows (%d of %d layers row-interleaved for it); past "
+        "them %s (%.0f MB)",
         QuantLinear.KERNEL_MAX_ROWS, woven, len(modules), more, total / 1e6,
     )  # fmt: skip
     return total

@@ -7,7 +7,9 @@ request, EOS ignored, the prefill's time removed by a 1-token run of the same pr
 per decode token: wall ms and tok/s, the process's CPU ms (every thread, OpenMP's included)
 and the main thread's CPU ms; then the medians and the fused/per-op ratios. `--breakdown` adds,
 per decode step, where the main thread's time goes: the decoder layers, the LM head, the rest of
-the forward, and the scheduler's own work outside the forward (batch building, sampling, output).
+the forward, and the scheduler's own work outside the forward (batch building, sampling, output). A batch
+larger than the fused decode takes on this machine (`FusedDecode.max_rows`: 8 or 32 where a
+float copy computes larger batches, float32 and CPUs with AMX) runs the per-op path alone.
 
     .venv/bin/python benchmarks/decode_step.py [--rounds 5] [--output-len 256] \
         [--batch-sizes 1,4,8] [--dtype bfloat16] [--threads 2] [--breakdown]
@@ -125,7 +127,7 @@ def main() -> None:
     for r in range(args.rounds):
         paths = ("fused", "per-op") if r % 2 == 0 else ("per-op", "fused")
         for b in sizes:
-            for path in paths:
+            for path in paths if b <= fused.max_rows else ("per-op",):
                 fused.enabled = path == "fused"
                 steps = fused.steps
                 if breakdown:
@@ -143,8 +145,15 @@ def main() -> None:
     print(f"medians of {args.rounds} rounds, {args.dtype}, {args.threads} threads:")
     for b in sizes:
         med = {p: {k: median(m[k] for m in results[(p, b)]) for k in results[(p, b)][0]}
-               for p in ("fused", "per-op")}  # fmt: skip
-        f, o = med["fused"], med["per-op"]
+               for p in ("fused", "per-op") if results[(p, b)]}  # fmt: skip
+        o = med["per-op"]
+        if "fused" not in med:
+            print(
+                f"  batch {b}: per-op {o['tok_s']:.1f} tok/s, process CPU/token "
+                f"{o['cpu_ms']:.2f} ms (the fused decode takes up to {fused.max_rows} rows here)"
+            )
+            continue
+        f = med["fused"]
         print(
             f"  batch {b}: fused {f['tok_s']:.1f} tok/s vs per-op {o['tok_s']:.1f} "
             f"({f['tok_s'] / o['tok_s']:.2f}x); process CPU/token {f['cpu_ms']:.2f} vs "

@@ -308,6 +308,114 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
   }
 }
 
+// Up to this many queries that read the same slots (an extend's tokens of one request) are
+// attended together by attend_group: each block of K and V rows is converted to float32 once
+// for all of them instead of once per query head.
+constexpr int64_t QUERY_GROUP = 8;
+
+// attend() for nq consecutive queries over the same slots, query qi over slots[0, lens[qi])
+// (each >= 1): q, out point at the first query's first head, the next query q_stride values
+// further. Each query's arithmetic is attend()'s, operation for operation (the same float32
+// rows, the same sums in the same order), so its result does not depend on the group it is in.
+// Scratch as attend()'s, and rows [nkv, BLK, C] for one block of converted K or V rows.
+template <typename T, int C>
+void attend_group(const T* q, T* out, int64_t q_stride, const int64_t* lens, int64_t nq,
+                  const T* kb, const T* vb, const int64_t* slots, int64_t row_len, int64_t nkv,
+                  int64_t G, float scale, std::vector<float>& scores_buf,
+                  std::vector<vf>& acc_buf, std::vector<float>& inv, std::vector<vf>& rows) {
+  constexpr int64_t D = W * C;
+  const int64_t QH = nkv * G, R = nq * QH, span = nkv * D;
+  const int64_t L = *std::max_element(lens, lens + nq), Lp = (L + BLK - 1) / BLK * BLK;
+  scores_buf.resize(R * Lp);
+  acc_buf.resize(R * (C + 1));
+  inv.resize(2 * R);
+  rows.resize(nkv * BLK * C);
+  float* scores = scores_buf.data();
+  vf* acc = acc_buf.data();
+  vf* top = acc + R * C;  // per row (query, head), lane-wise largest score so far
+  auto row = [&](int64_t kh, int64_t j) { return rows.data() + (kh * BLK + j) * C; };
+
+  for (int64_t qi = 0; qi < nq; ++qi)
+    for (int64_t h = 0; h < QH; ++h) {
+      vf* a = acc + (qi * QH + h) * C;
+      load_row<C>(q + qi * q_stride + h * D, a);
+      for (int c = 0; c < C; ++c) a[c] *= scale;
+    }
+  for (int64_t l = 0; l < std::min(L, AHEAD * BLK); ++l) prefetch_row(kb + slots[l] * row_len, span);
+  for (int64_t l0 = 0; l0 < L; l0 += BLK) {  // scores[r, l] = q_r . k_l
+    const int64_t n = std::min(BLK, L - l0);
+    for (int64_t l = l0 + AHEAD * BLK; l < std::min(L, l0 + (AHEAD + 1) * BLK); ++l)
+      prefetch_row(kb + slots[l] * row_len, span);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t kh = 0; kh < nkv; ++kh) load_row<C>(kb + slots[l0 + j] * row_len + kh * D, row(kh, j));
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      if (l0 >= lens[qi]) continue;
+      const int64_t last = std::min(BLK, lens[qi] - l0) - 1;  // lanes past it repeat its score
+      for (int64_t kh = 0; kh < nkv; ++kh) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = qi * QH + kh * G + g;
+          vf qv[C], a[BLK];
+          for (int c = 0; c < C; ++c) qv[c] = acc[r * C + c];
+          for (int64_t j = 0; j < BLK; ++j) {
+            const vf* k = row(kh, std::min(j, last));
+            vf s = qv[0] * k[0];
+            for (int c = 1; c < C; ++c) s += qv[c] * k[c];
+            a[j] = s;
+          }
+          const vf v = reduce(a);
+          std::memcpy(scores + r * Lp + l0, &v, sizeof v);
+          top[r] = l0 == 0 ? v : (v > top[r] ? v : top[r]);
+        }
+      }
+    }
+  }
+
+  for (int64_t l = 0; l < std::min(L, AHEAD * BLK); ++l) prefetch_row(vb + slots[l] * row_len, span);
+  for (int64_t r = 0; r < R; ++r) {  // softmax numerators in place, and 1 / their sum
+    const int64_t Lr = lens[r / QH], Lpr = (Lr + BLK - 1) / BLK * BLK;
+    float* s = scores + r * Lp;
+    float m = top[r][0];
+    for (int i = 1; i < W; ++i) m = std::max(m, top[r][i]);
+    for (int64_t l = Lr; l < Lpr; ++l) s[l] = m;  // block padding: any finite value, zeroed below
+    for (int64_t l = 0; l < Lpr; l += W) store(vexp(load(s + l) - m), s + l);
+    for (int64_t l = Lr; l < Lpr; ++l) s[l] = 0.f;
+    vf sum{};
+    for (int64_t l = 0; l < Lpr; l += W) sum += load(s + l);
+    float total = 0.f;
+    for (int i = 0; i < W; ++i) total += sum[i];
+    inv[r] = 1.f / total;
+  }
+
+  for (int64_t i = 0; i < R * C; ++i) acc[i] = vf{};
+  for (int64_t l0 = 0; l0 < L; l0 += BLK) {  // acc[r] = sum_l p[r, l] v_l
+    const int64_t n = std::min(BLK, L - l0);
+    for (int64_t l = l0 + AHEAD * BLK; l < std::min(L, l0 + (AHEAD + 1) * BLK); ++l)
+      prefetch_row(vb + slots[l] * row_len, span);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t kh = 0; kh < nkv; ++kh) load_row<C>(vb + slots[l0 + j] * row_len + kh * D, row(kh, j));
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      if (l0 >= lens[qi]) continue;
+      const int64_t nr = std::min(BLK, lens[qi] - l0);
+      for (int64_t kh = 0; kh < nkv; ++kh) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = qi * QH + kh * G + g;
+          const float* p = scores + r * Lp + l0;
+          vf a[C];
+          for (int c = 0; c < C; ++c) a[c] = acc[r * C + c];
+          for (int64_t j = 0; j < nr; ++j) {
+            const vf* v = row(kh, j);
+            for (int c = 0; c < C; ++c) a[c] += p[j] * v[c];
+          }
+          for (int c = 0; c < C; ++c) acc[r * C + c] = a[c];
+        }
+      }
+    }
+  }
+  for (int64_t qi = 0; qi < nq; ++qi)
+    for (int64_t h = 0; h < QH; ++h)
+      store_row<C>(acc + (qi * QH + h) * C, inv[qi * QH + h], out + qi * q_stride + h * D);
+}
+
 // Writes the softmax-weighted sum of `parts` partials (empty ones have sum 0) to out [QH, D];
 // NaN scores make NaN outputs, as without parts.
 template <typename T, int C>
@@ -343,7 +451,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
   const int64_t* idx = kv_indices.data_ptr<int64_t>();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  // A task is one query and a range of its KV heads: all of them (each slot row read once)
+  // A task is one query (or a group of an extend's queries of one request, which share each
+  // converted K and V row) and a range of its KV heads: all of them (each slot row read once)
   // when there are enough queries to keep every thread busy, else one head per task. Too few
   // of those for the threads (one long request decoding) split each query's slots into parts
   // of at least MIN_PART slots, combined after (flash-decoding).
@@ -356,6 +465,29 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
   const int64_t parts = heads_tasks >= 2 * threads ? 1
       : std::max<int64_t>(1, std::min((2 * threads + heads_tasks - 1) / heads_tasks,
                                       longest / MIN_PART));
+  if (parts == 1) {  // groups of queries over the same slots (attend_group), a task per group
+    // small enough that there are at least 4 tasks a thread where the queries allow it
+    const int64_t most = std::clamp<int64_t>(heads_tasks / (4 * threads), 1, QUERY_GROUP);
+    std::vector<int64_t> first{0};  // first query of each group, then N
+    for (int64_t i = 1; i < N; ++i)
+      if (rows == nullptr || rows[i] != rows[first.back()] || i - first.back() == most)
+        first.push_back(i);
+    first.push_back(N);
+    const int64_t groups = static_cast<int64_t>(first.size()) - 1;
+    sluice::parallel_for(0, groups * tasks_per_query, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, inv;
+      std::vector<vf> acc, kv_rows;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t gi = task / tasks_per_query, kh0 = (task % tasks_per_query) * nkv;
+        const int64_t i = first[gi], h0 = kh0 * G;
+        const int64_t* slots = idx + (rows ? rows[i] : i) * max_kv;
+        attend_group<T, C>(qp + (i * H + h0) * D, op + (i * H + h0) * D, H * D, lens + i,
+                           first[gi + 1] - i, kp + kh0 * D, vp + kh0 * D, slots, row_len, nkv, G,
+                           static_cast<float>(scale), scores, acc, inv, kv_rows);
+      }
+    });
+    return;
+  }
   std::vector<float> max_sum(parts > 1 ? heads_tasks * parts * QH * 2 : 0);
   std::vector<vf> part_acc(parts > 1 ? heads_tasks * parts * QH * C : 0);
   auto partial = [&](int64_t task) {  // task = heads task * parts + part

@@ -1,5 +1,5 @@
-// sluice's CPU kernels: attention over the token-slot KV pool (decode, and prefill query by
-// query), linear layers of a few rows (decode of one or a few requests), and the fused
+// sluice's CPU kernels: attention over the token-slot KV pool (decode, and prefill in groups of
+// a request's queries), linear layers of a few rows (decode of one or a few requests), and the fused
 // elementwise steps of a decoder layer (residual add + RMSNorm, SiLU-and-multiply, rotary
 // embedding), each one pass over its rows instead of the dozen small PyTorch ops they replace.
 //
@@ -200,7 +200,8 @@ inline void prefetch_row(const T* p, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 // Attention over the token-slot pool, read in place (no gather): out[i, h] = softmax(q[i, h] . K
 // * scale) . V over the first lens[i] slots of query i's request. Query head h uses KV head h / G
-// (grouped-query attention). Each query is done on its own, in float32.
+// (grouped-query attention). In float32; each query's sums in the same order whether it is
+// attended alone or in a group of its request's queries (attend_group).
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t BLK = W;  // slots per block (one reduce)
 constexpr int64_t AHEAD = 32 / W;  // blocks of rows prefetched ahead: 32 rows
@@ -312,6 +313,8 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
 // attended together by attend_group: each block of K and V rows is converted to float32 once
 // for all of them instead of once per query head.
 constexpr int64_t QUERY_GROUP = 8;
+// ... and fewer where their scores would pass this many floats (4 MB a thread; a long context)
+constexpr int64_t GROUP_SCORES = int64_t{1} << 20;
 
 // attend() for nq consecutive queries over the same slots, query qi over slots[0, lens[qi])
 // (each >= 1): q, out point at the first query's first head, the next query q_stride values
@@ -466,12 +469,21 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
       : std::max<int64_t>(1, std::min((2 * threads + heads_tasks - 1) / heads_tasks,
                                       longest / MIN_PART));
   if (parts == 1) {  // groups of queries over the same slots (attend_group), a task per group
-    // small enough that there are at least 4 tasks a thread where the queries allow it
+    // small enough that there are at least 4 tasks a thread where the queries allow it, and
+    // that a group's scores stay within GROUP_SCORES
     const int64_t most = std::clamp<int64_t>(heads_tasks / (4 * threads), 1, QUERY_GROUP);
     std::vector<int64_t> first{0};  // first query of each group, then N
-    for (int64_t i = 1; i < N; ++i)
-      if (rows == nullptr || rows[i] != rows[first.back()] || i - first.back() == most)
+    int64_t group_len = (lens[0] + BLK - 1) / BLK * BLK;  // the group's longest query, whole blocks
+    for (int64_t i = 1; i < N; ++i) {
+      const int64_t len = std::max(group_len, (lens[i] + BLK - 1) / BLK * BLK);
+      if (rows == nullptr || rows[i] != rows[first.back()] || i - first.back() == most ||
+          (i - first.back() + 1) * QH * len > GROUP_SCORES) {
         first.push_back(i);
+        group_len = (lens[i] + BLK - 1) / BLK * BLK;
+      } else {
+        group_len = len;
+      }
+    }
     first.push_back(N);
     const int64_t groups = static_cast<int64_t>(first.size()) - 1;
     sluice::parallel_for(0, groups * tasks_per_query, 1, [&](int64_t begin, int64_t end) {

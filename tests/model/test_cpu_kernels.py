@@ -90,16 +90,10 @@ def test_decode_attention_matches_sdpa(
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
-@pytest.mark.parametrize(
-    ("prefix", "extend"), [([40, 0, 3], [5, 17, 1]), ([30], [1])], ids=["three", "one-token"]
-)
-def test_extend_attention_is_causal_over_each_requests_slots(
-    ops, threads, dtype, atol, prefix, extend
-) -> None:
-    """Requests extend at once (e.g. 5 new tokens on a 40-token prefix, a fresh 17-token prompt,
-    one token on 3); every query sees its request's slots up to its own position."""
-    gen = torch.Generator().manual_seed(7)
+def _extend_case(seed: int, dtype: torch.dtype, prefix: list[int], extend: list[int]):
+    """An extend of requests b with prefix[b] slots cached and extend[b] new tokens (9 heads,
+    3 KV heads, head_dim 64, scattered slots): (q, k_pool, v_pool, indices, rows, q_lens)."""
+    gen = torch.Generator().manual_seed(seed)
     heads, kv_heads, d = 9, 3, 64
     k_pool = torch.randn(SLOTS, kv_heads, d, generator=gen).to(dtype)
     v_pool = torch.randn(SLOTS, kv_heads, d, generator=gen).to(dtype)
@@ -110,10 +104,24 @@ def test_extend_attention_is_causal_over_each_requests_slots(
     rows = torch.repeat_interleave(torch.arange(len(total)), torch.tensor(extend))
     q_lens = torch.cat([torch.arange(p, p + e) + 1 for p, e in zip(prefix, extend, strict=True)])
     q = torch.randn(len(rows), heads, d, generator=gen).to(dtype) * 3
+    return q, k_pool, v_pool, indices, rows, q_lens
+
+
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+@pytest.mark.parametrize(
+    ("prefix", "extend"), [([40, 0, 3], [5, 17, 1]), ([30], [1])], ids=["three", "one-token"]
+)
+def test_extend_attention_is_causal_over_each_requests_slots(
+    ops, threads, dtype, atol, prefix, extend
+) -> None:
+    """Requests extend at once (e.g. 5 new tokens on a 40-token prefix, a fresh 17-token prompt,
+    one token on 3); every query sees its request's slots up to its own position."""
+    q, k_pool, v_pool, indices, rows, q_lens = _extend_case(7, dtype, prefix, extend)
+    d = q.shape[2]
     out = ops.extend_attention(q, k_pool, v_pool, indices, rows, q_lens, d**-0.5)
     want = _reference(q, k_pool, v_pool, indices[rows], q_lens.tolist(), d**-0.5)
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
-    last = max(total)
+    last = indices.shape[1]  # the longest request's slots
     short = indices[:, : last - 1].contiguous()
     with pytest.raises(RuntimeError, match=f"sees {last} slots; it must see 1 to {last - 1}"):
         ops.extend_attention(q, k_pool, v_pool, short, rows, q_lens, d**-0.5)
@@ -125,18 +133,8 @@ def test_extend_attention_gives_each_query_what_it_gets_alone(ops, threads, dtyp
     converted K and V row (100 new tokens on a 30-token prefix, a fresh 37-token prompt); each
     query's result is still the one it gets alone, as a decode query over the same slots, bit
     for bit, whatever group it falls in."""
-    gen = torch.Generator().manual_seed(13)
-    heads, kv_heads, d = 9, 3, 64
-    prefix, extend = [30, 0], [100, 37]
-    k_pool = torch.randn(SLOTS, kv_heads, d, generator=gen).to(dtype)
-    v_pool = torch.randn(SLOTS, kv_heads, d, generator=gen).to(dtype)
-    total = [p + e for p, e in zip(prefix, extend, strict=True)]
-    indices = torch.zeros(len(total), max(total), dtype=torch.int64)
-    for b, n in enumerate(total):
-        indices[b, :n] = torch.randperm(SLOTS - 1, generator=gen)[:n] + 1
-    rows = torch.repeat_interleave(torch.arange(len(total)), torch.tensor(extend))
-    q_lens = torch.cat([torch.arange(p, p + e) + 1 for p, e in zip(prefix, extend, strict=True)])
-    q = torch.randn(len(rows), heads, d, generator=gen).to(dtype) * 3
+    q, k_pool, v_pool, indices, rows, q_lens = _extend_case(13, dtype, [30, 0], [100, 37])
+    d = q.shape[2]
     out = ops.extend_attention(q, k_pool, v_pool, indices, rows, q_lens, d**-0.5)
     want = _reference(q, k_pool, v_pool, indices[rows], q_lens.tolist(), d**-0.5)
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)

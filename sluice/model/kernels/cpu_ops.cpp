@@ -206,6 +206,24 @@ inline void prefetch_row(const T* p, int64_t n) {
 constexpr int64_t BLK = W;  // slots per block (one reduce)
 constexpr int64_t AHEAD = 32 / W;  // blocks of rows prefetched ahead: 32 rows
 
+// One query head's scores s[0, L) (s holds L rounded up to BLK): replaced by e^(score -
+// largest), the block's padding by 0; returns 1 / their sum and writes the largest score.
+// `top`: the scores' lane-wise largest, as the score passes keep it.
+inline float softmax_numerators(float* s, vf top, int64_t L, float* largest) {
+  const int64_t Lp = (L + BLK - 1) / BLK * BLK;
+  float m = top[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, top[i]);
+  for (int64_t l = L; l < Lp; ++l) s[l] = m;  // block padding: any finite value, zeroed below
+  for (int64_t l = 0; l < Lp; l += W) store(vexp(load(s + l) - m), s + l);
+  for (int64_t l = L; l < Lp; ++l) s[l] = 0.f;
+  vf sum{};
+  for (int64_t l = 0; l < Lp; l += W) sum += load(s + l);
+  float total = 0.f;
+  for (int i = 0; i < W; ++i) total += sum[i];
+  *largest = m;
+  return 1.f / total;
+}
+
 // A query's attention over part of its slots, for one range of heads, unnormalized: per query
 // head its largest score, the sum of e^(score - largest), and sum_l e^(score_l - largest) v_l
 // (C vectors, in load_row()'s lane order). Parts of one query combine into the softmax over all.
@@ -262,20 +280,8 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
   }
 
   for (int64_t l = 0; l < std::min(L, AHEAD * BLK); ++l) prefetch_row(vb + slots[l] * row_len, span);
-  for (int64_t h = 0; h < QH; ++h) {  // softmax numerators in place, and 1 / their sum
-    float* s = scores + h * Lp;
-    float m = top[h][0];
-    for (int i = 1; i < W; ++i) m = std::max(m, top[h][i]);
-    for (int64_t l = L; l < Lp; ++l) s[l] = m;  // block padding: any finite value, zeroed below
-    for (int64_t l = 0; l < Lp; l += W) store(vexp(load(s + l) - m), s + l);
-    for (int64_t l = L; l < Lp; ++l) s[l] = 0.f;
-    vf sum{};
-    for (int64_t l = 0; l < Lp; l += W) sum += load(s + l);
-    float total = 0.f;
-    for (int i = 0; i < W; ++i) total += sum[i];
-    inv[h] = 1.f / total;
-    inv[QH + h] = m;
-  }
+  for (int64_t h = 0; h < QH; ++h)  // softmax numerators in place, and 1 / their sum
+    inv[h] = softmax_numerators(scores + h * Lp, top[h], L, &inv[QH + h]);
 
   for (int64_t i = 0; i < QH * C; ++i) acc[i] = vf{};
   for (int64_t l0 = 0; l0 < L; l0 += BLK) {  // acc[h] = sum_l p[h, l] v_l
@@ -374,20 +380,9 @@ void attend_group(const T* q, T* out, int64_t q_stride, const int64_t* lens, int
   }
 
   for (int64_t l = 0; l < std::min(L, AHEAD * BLK); ++l) prefetch_row(vb + slots[l] * row_len, span);
-  for (int64_t r = 0; r < R; ++r) {  // softmax numerators in place, and 1 / their sum
-    const int64_t Lr = lens[r / QH], Lpr = (Lr + BLK - 1) / BLK * BLK;
-    float* s = scores + r * Lp;
-    float m = top[r][0];
-    for (int i = 1; i < W; ++i) m = std::max(m, top[r][i]);
-    for (int64_t l = Lr; l < Lpr; ++l) s[l] = m;  // block padding: any finite value, zeroed below
-    for (int64_t l = 0; l < Lpr; l += W) store(vexp(load(s + l) - m), s + l);
-    for (int64_t l = Lr; l < Lpr; ++l) s[l] = 0.f;
-    vf sum{};
-    for (int64_t l = 0; l < Lpr; l += W) sum += load(s + l);
-    float total = 0.f;
-    for (int i = 0; i < W; ++i) total += sum[i];
-    inv[r] = 1.f / total;
-  }
+  float largest;
+  for (int64_t r = 0; r < R; ++r)  // softmax numerators in place, and 1 / their sum
+    inv[r] = softmax_numerators(scores + r * Lp, top[r], lens[r / QH], &largest);
 
   for (int64_t i = 0; i < R * C; ++i) acc[i] = vf{};
   for (int64_t l0 = 0; l0 < L; l0 += BLK) {  // acc[r] = sum_l p[r, l] v_l

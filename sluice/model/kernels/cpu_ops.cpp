@@ -232,13 +232,13 @@ struct Partial {
   vf* acc;         // [QH, C]
 };
 
-// KV heads [kh0, kh0 + nkv) of one query over slots[0, L) (L >= 1): q, out point at its first
-// query head, kb, vb at the KV head's part of slot 0. Writes the normalized result to `out`, or
-// with `out` null the unnormalized one to `part`. Scratch: scores [QH, L rounded up to BLK],
-// acc [QH, C], inv [2 QH].
+// KV heads [kh0, kh0 + nkv) of one query over part of its slots, slots[0, L) (L >= 1): q points
+// at its first query head, kb, vb at the KV head's part of slot 0. Writes the unnormalized
+// result to `part` (flash-decoding; whole queries go through attend_group). Scratch: scores
+// [QH, L rounded up to BLK], acc [QH, C], inv [2 QH].
 template <typename T, int C>
 void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t L,
-            int64_t row_len, int64_t nkv, int64_t G, float scale, T* out, Partial part,
+            int64_t row_len, int64_t nkv, int64_t G, float scale, Partial part,
             std::vector<float>& scores_buf, std::vector<vf>& acc_buf, std::vector<float>& inv) {
   constexpr int64_t D = W * C;
   const int64_t QH = nkv * G, Lp = (L + BLK - 1) / BLK * BLK, span = nkv * D;
@@ -303,10 +303,6 @@ void attend(const T* q, const T* kb, const T* vb, const int64_t* slots, int64_t 
         for (int c = 0; c < C; ++c) acc[h * C + c] = a[c];
       }
     }
-  }
-  if (out != nullptr) {
-    for (int64_t h = 0; h < QH; ++h) store_row<C>(acc + h * C, inv[h], out + h * D);
-    return;
   }
   for (int64_t h = 0; h < QH; ++h) {
     part.max_sum[2 * h] = inv[QH + h];
@@ -495,8 +491,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
     });
     return;
   }
-  std::vector<float> max_sum(parts > 1 ? heads_tasks * parts * QH * 2 : 0);
-  std::vector<vf> part_acc(parts > 1 ? heads_tasks * parts * QH * C : 0);
+  std::vector<float> max_sum(heads_tasks * parts * QH * 2);  // parts > 1 from here
+  std::vector<vf> part_acc(heads_tasks * parts * QH * C);
   auto partial = [&](int64_t task) {  // task = heads task * parts + part
     return Partial{max_sum.data() + task * QH * 2, part_acc.data() + task * QH * C};
   };
@@ -508,11 +504,6 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
       const int64_t i = ht / tasks_per_query, kh0 = (ht % tasks_per_query) * nkv, h0 = kh0 * G;
       const int64_t* slots = idx + (rows ? rows[i] : i) * max_kv;
       const T* qh = qp + (i * H + h0) * D;
-      if (parts == 1) {
-        attend<T, C>(qh, kp + kh0 * D, vp + kh0 * D, slots, lens[i], row_len, nkv, G,
-                     static_cast<float>(scale), op + (i * H + h0) * D, Partial{}, scores, acc, inv);
-        continue;
-      }
       const int64_t chunk = (lens[i] + parts - 1) / parts;
       const int64_t first = p * chunk, last = std::min(lens[i], first + chunk);
       if (first >= last) {  // nothing left for this part: an empty partial
@@ -520,10 +511,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
         continue;
       }
       attend<T, C>(qh, kp + kh0 * D, vp + kh0 * D, slots + first, last - first, row_len, nkv, G,
-                   static_cast<float>(scale), nullptr, partial(task), scores, acc, inv);
+                   static_cast<float>(scale), partial(task), scores, acc, inv);
     }
   });
-  if (parts == 1) return;
   sluice::parallel_for(0, heads_tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t ht = begin; ht < end; ++ht) {
       const int64_t i = ht / tasks_per_query, h0 = (ht % tasks_per_query) * nkv * G;

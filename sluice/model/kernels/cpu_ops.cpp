@@ -125,10 +125,11 @@ inline void store(vf v, at::BFloat16* p) {  // round to nearest even, as at::BFl
 }
 // what storing to T and loading back gives: rounding to T's precision
 inline vf round_to(vf v, const float*) { return v; }
-inline vf round_to(vf v, const at::BFloat16*) {
-  at::BFloat16 tmp[W];
-  store(v, tmp);
-  return load(tmp);
+inline vf round_to(vf v, const at::BFloat16*) {  // store() then load(), in registers
+  vu w;
+  std::memcpy(&w, &v, sizeof w);
+  const vu rounded = (w + 0x7fffu + ((w >> 16) & 1u)) & 0xffff0000u;
+  return bits_to_float(v != v ? vu{} + 0x7fc00000u : rounded);
 }
 
 // Lane j of the result is the sum of the W lanes of a[j]: a transposing tree of two-source
@@ -544,10 +545,12 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // ---------------------------------------------------------------------------------------------
 
 // x = rms_norm(x + residual) * weight and residual = x + residual, in place (residual None: only
-// the norm). The sum is rounded to the storage dtype before the norm, as separate ops would.
+// the norm). The sum is rounded to the storage dtype before the norm, as separate ops would. W
+// lanes at a time (the squares summed lane by lane, then across), the tail of a row past them
+// value by value.
 template <typename T>
 void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
-  const int64_t N = x.size(0), width = x.size(1);
+  const int64_t N = x.size(0), width = x.size(1), body = width / W * W;
   T* xp = x.data_ptr<T>();
   T* rp = residual ? residual->data_ptr<T>() : nullptr;
   const T* wp = weight.data_ptr<T>();
@@ -555,19 +558,33 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor* residual, const at::Tensor& we
     std::vector<float> row(width);
     for (int64_t i = begin; i < end; ++i) {
       T* xr = xp + i * width;
+      T* rr = rp ? rp + i * width : nullptr;
+      vf squares{};
+      for (int64_t j = 0; j < body; j += W) {
+        vf v = load(xr + j);
+        if (rr) {
+          v = round_to(v + load(rr + j), rr);
+          store(v, rr + j);
+        }
+        store(v, row.data() + j);
+        squares += v * v;
+      }
       float ss = 0.f;
-      for (int64_t j = 0; j < width; ++j) {
+      for (int l = 0; l < W; ++l) ss += squares[l];
+      for (int64_t j = body; j < width; ++j) {
         float v = to_float(xr[j]);
-        if (rp) {
-          from_float(v + to_float(rp[i * width + j]), rp + i * width + j);
-          v = to_float(rp[i * width + j]);
+        if (rr) {
+          from_float(v + to_float(rr[j]), rr + j);
+          v = to_float(rr[j]);
         }
         row[j] = v;
         ss += v * v;
       }
       const float r = 1.f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
       // as transformers: normalize in float32, round to the dtype, then scale by the weight
-      for (int64_t j = 0; j < width; ++j) {
+      for (int64_t j = 0; j < body; j += W)
+        store(round_to(load(row.data() + j) * r, xr) * load(wp + j), xr + j);
+      for (int64_t j = body; j < width; ++j) {
         T normed;
         from_float(row[j] * r, &normed);
         from_float(to_float(normed) * to_float(wp[j]), xr + j);

@@ -16,7 +16,6 @@ minimum), with gguf's own quantizer, so they run on the same kernels.
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import time
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.utils import envs
-from sluice.utils.system import cpu_flags
+from sluice.utils.system import has_amx_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +39,6 @@ BLOCK_TYPES = {
     12: ("Q4_K", 144, 256), 14: ("Q6_K", 210, 256),
 }  # fmt: skip
 BLOCK_VALUES = 32  # values a block of the types quantized into at load (LOAD_TYPES)
-
-
-@functools.cache
-def has_amx_bf16() -> bool:
-    """Whether this CPU computes bfloat16 GEMMs with AMX tiles (oneDNN does, through torch)."""
-    return "amx_bf16" in cpu_flags()
 
 
 class QuantLinear(nn.Module):

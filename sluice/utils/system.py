@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -44,6 +45,12 @@ def available_memory_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+@functools.cache
+def has_amx_bf16() -> bool:
+    """Whether this CPU computes bfloat16 matmuls with AMX tiles (oneDNN does, through torch)."""
+    return "amx_bf16" in cpu_flags()
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

@@ -16,6 +16,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from sluice.checkpoint.model_config import ModelConfig
+from sluice.model import attention as attention_module
 from sluice.model import kernels
 from sluice.model.attention import (
     CpuKernelAttention,
@@ -110,6 +111,28 @@ def test_select_backends_prefers_the_kernels_where_they_take_the_head_dim(monkey
         select_backends(torch.device("cuda"), HEAD_DIM, None)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_cpu_sdpa_computes_bfloat16_natively_only_on_cpus_with_amx(monkeypatch, amx) -> None:
+    """On AMX, PyTorch's bfloat16 attention is several times faster than the float32 upcast;
+    without it, several times slower."""
+    monkeypatch.setattr(attention_module, "has_amx_bf16", lambda: amx)
+    (sdpa,) = select_backends(CPU, 24, None)
+    assert isinstance(sdpa, SdpaAttention) and sdpa.cpu_native is amx
+    computed_in = []
+    call = attention_module._sdpa_call
+
+    def recording(q, *args):
+        computed_in.append(q.dtype)
+        return call(q, *args)
+
+    monkeypatch.setattr(attention_module, "_sdpa_call", recording)
+    q = torch.randn(1, HEADS, 5, 24).to(torch.bfloat16)
+    kv = torch.randn(1, KV_HEADS, 5, 24).to(torch.bfloat16)
+    layer = PagedAttention(0, HEADS, KV_HEADS, 24).layer
+    assert sdpa._sdpa(q, kv, kv, None, True, layer).dtype == torch.bfloat16
+    assert computed_in == [torch.bfloat16 if amx else torch.float32]
+
+
 def test_pick_backend_refuses_a_batch_no_backend_takes() -> None:
     fb = _batch(ForwardMode.EXTEND, [0], [5])
     assert pick_backend([Recording(), SdpaAttention()], fb).name == "sdpa"
@@ -121,7 +144,8 @@ def test_pick_backend_refuses_a_batch_no_backend_takes() -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_the_kernels_and_sdpa_agree_on_every_batch(case, dtype, atol) -> None:
     """Whichever backend a batch goes to, the attention is the same: the kernels and SDPA
-    (with its float32 upcast for bfloat16) on one pool, including batches the kernels leave."""
+    (with its float32 upcast for bfloat16, and without it, as on CPUs with AMX) on one pool,
+    including batches the kernels leave."""
     ops = kernels.cpu_ops()
     assert ops is not None, "the CPU kernels did not build (see the warning log)"
     mode, prefix_lens, extend_lens, _ = CASES[case]
@@ -138,9 +162,11 @@ def test_the_kernels_and_sdpa_agree_on_every_batch(case, dtype, atol) -> None:
     with torch.inference_mode():
         got = CpuKernelAttention(ops).forward(q, k, v, fb, kv, layer)
         want = SdpaAttention().forward(q, k, v, fb, kv, layer)
-    assert got.shape == want.shape == (num_tokens, HEADS * HEAD_DIM)
-    assert got.dtype == want.dtype == dtype
+        native = SdpaAttention(cpu_native=True).forward(q, k, v, fb, kv, layer)
+    assert got.shape == want.shape == native.shape == (num_tokens, HEADS * HEAD_DIM)
+    assert got.dtype == want.dtype == native.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(native.float(), want.float(), atol=atol, rtol=0)
 
 
 def test_a_backend_plugs_in_and_reads_this_steps_kv_from_the_pool() -> None:

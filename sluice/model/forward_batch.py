@@ -39,6 +39,20 @@ class PaddedQueries:
     q_unpad_index: torch.Tensor | None  # [T] -> index into B * max_q (EXTEND only)
 
 
+@dataclass(frozen=True)
+class DenseSplit:
+    """An extend's requests of many new tokens apart from its other queries
+    (`ForwardBatch.dense_split`), for a backend that attends to each such request on its own."""
+
+    # per such request: [start, end) of its tokens in T, and, where it has a prefix, the slots
+    # it reads [S] and what each of its queries sees [end - start, S] (None: a fresh prompt,
+    # plain causal over its own new tokens)
+    requests: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
+    rest: torch.Tensor | None  # [R] the other tokens' rows of T; None: there are none
+    rest_rows: torch.Tensor | None  # [R] their request (row of kv_indices)
+    rest_seq_lens: torch.Tensor | None  # [R] the keys each sees
+
+
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
@@ -62,6 +76,7 @@ class ForwardBatch:
     mm_inputs: MultimodalInputs | None = None  # images with positions in this forward; None: none
     all_logits: bool = False  # `logits_index` is known to be every row of T, in order
     _padded: PaddedQueries | None = field(default=None, repr=False)
+    _dense: dict[int, DenseSplit | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -181,6 +196,35 @@ class ForwardBatch:
         if self._padded is None:
             self._padded = _padded_queries(self)
         return self._padded
+
+    def dense_split(self, min_queries: int) -> DenseSplit | None:
+        """The requests with at least `min_queries` new tokens, and the rest of the batch's
+        tokens (CPU EXTEND batches); None when no request has that many. Built at the first
+        call and kept, as `padded`."""
+        if min_queries not in self._dense:
+            self._dense[min_queries] = _dense_split(self, min_queries)
+        return self._dense[min_queries]
+
+
+def _dense_split(fb: ForwardBatch, min_queries: int) -> DenseSplit | None:
+    pre, ext = fb.prefix_lens_cpu.tolist(), fb.extend_lens_cpu.tolist()
+    requests, start, keep = [], 0, []
+    for b, (p, e) in enumerate(zip(pre, ext, strict=True)):
+        if e < min_queries:
+            keep.append(torch.arange(start, start + e))
+        elif p == 0:
+            requests.append((start, start + e, None, None))
+        else:  # query i at position p + i sees keys j <= p + i
+            seen = torch.ones(e, p + e, dtype=torch.bool).tril(p)
+            requests.append((start, start + e, fb.kv_indices[b, : p + e], seen))
+        start += e
+    if not requests:
+        return None
+    if not keep:
+        return DenseSplit(requests, None, None, None)
+    rest = torch.cat(keep)
+    assert fb.q_rows is not None and fb.q_seq_lens is not None
+    return DenseSplit(requests, rest, fb.q_rows[rest], fb.q_seq_lens[rest])
 
 
 def _padded_queries(fb: ForwardBatch) -> PaddedQueries:

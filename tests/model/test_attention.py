@@ -142,10 +142,11 @@ def test_pick_backend_refuses_a_batch_no_backend_takes() -> None:
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("case", CASES)
-def test_the_kernels_and_sdpa_agree_on_every_batch(case, dtype, atol) -> None:
+def test_the_kernels_and_sdpa_agree_on_every_batch(monkeypatch, case, dtype, atol) -> None:
     """Whichever backend a batch goes to, the attention is the same: the kernels and SDPA
     (with its float32 upcast for bfloat16, and without it, as on CPUs with AMX) on one pool,
-    including batches the kernels leave."""
+    including batches the kernels leave; and the kernels with their requests of many queries
+    handed to SDPA (as on CPUs with AMX in bfloat16; here from 4 queries on)."""
     ops = kernels.cpu_ops()
     assert ops is not None, "the CPU kernels did not build (see the warning log)"
     mode, prefix_lens, extend_lens, _ = CASES[case]
@@ -163,10 +164,24 @@ def test_the_kernels_and_sdpa_agree_on_every_batch(case, dtype, atol) -> None:
         got = CpuKernelAttention(ops).forward(q, k, v, fb, kv, layer)
         want = SdpaAttention().forward(q, k, v, fb, kv, layer)
         native = SdpaAttention(cpu_native=True).forward(q, k, v, fb, kv, layer)
-    assert got.shape == want.shape == native.shape == (num_tokens, HEADS * HEAD_DIM)
-    assert got.dtype == want.dtype == native.dtype == dtype
+        monkeypatch.setattr(CpuKernelAttention, "DENSE_MIN_QUERIES", 4)
+        calls = []
+        call = attention_module._sdpa_call
+        monkeypatch.setattr(
+            attention_module, "_sdpa_call", lambda *a: calls.append(a[3]) or call(*a)
+        )
+        split = CpuKernelAttention(ops, sdpa_dense=True).forward(q, k, v, fb, kv, layer)
+    assert got.shape == want.shape == native.shape == split.shape == (num_tokens, HEADS * HEAD_DIM)
+    assert got.dtype == want.dtype == native.dtype == split.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
     torch.testing.assert_close(native.float(), want.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(split.float(), want.float(), atol=atol, rtol=0)
+    # one SDPA call a request of 4 queries or more, masked where it has a prefix (bfloat16 only)
+    _, prefix_lens, extend_lens, _ = CASES[case]
+    many = [p > 0 for p, e in zip(prefix_lens, extend_lens, strict=True) if e >= 4]
+    if mode == ForwardMode.DECODE or dtype == torch.float32:
+        many = []
+    assert [mask is not None for mask in calls] == many
 
 
 def test_a_backend_plugs_in_and_reads_this_steps_kv_from_the_pool() -> None:

@@ -194,9 +194,9 @@ class SdpaAttention:
     causally over its own k/v (nothing is gathered); any other batch gathers each request's slots
     into padded per-request views and masks them (`fb.padded()`).
 
-    On CPU, dtypes other than float32 are computed in float32 unless `cpu_native` (what
-    select_backends gives CPUs with AMX). On CUDA, only the kernels in `cuda_backends` may run
-    (SLUICE_CUDA_SDPA, read at first use where not given)."""
+    On CPU, dtypes other than float32 are computed in float32, but for bfloat16 where
+    `cpu_native` (what select_backends gives CPUs with AMX). On CUDA, only the kernels in
+    `cuda_backends` may run (SLUICE_CUDA_SDPA, read at first use where not given)."""
 
     name = "sdpa"
 
@@ -240,7 +240,8 @@ class SdpaAttention:
         # step of SmolLM2 at 64), and several times faster with it (its blocked matmuls run on
         # AMX tiles; a Xeon, lscpu model 167: one 3000-token prompt's prefill 2.72 -> 1.37 s, a
         # layer's 32 x 30 queries over 480 slots 35 -> 4.7 ms)
-        if q.device.type == "cpu" and q.dtype != torch.float32 and not self.cpu_native:
+        native = self.cpu_native and q.dtype == torch.bfloat16
+        if q.device.type == "cpu" and q.dtype != torch.float32 and not native:
             out = self._sdpa(q.float(), k.float(), v.float(), mask, causal, layer)
             return out.to(q.dtype)
         if q.device.type != "cuda":

@@ -209,6 +209,9 @@ class PagedAttention(nn.Module):
 
     @cpu_ops.setter
     def cpu_ops(self, ops: Any | None) -> None:
-        """The kernels first (None: none), the other backends after them in their order."""
+        """The kernels first (None: none), the other backends after them in their order; the
+        kernels hand dense requests to SDPA where it computes bfloat16 natively (AMX), as
+        select_backends sets them."""
         rest = [b for b in self.backends if not isinstance(b, CpuKernelAttention)]
-        self.backends = rest if ops is None else [CpuKernelAttention(ops), *rest]
+        dense = any(isinstance(b, SdpaAttention) and b.cpu_native for b in rest)
+        self.backends = rest if ops is None else [CpuKernelAttention(ops, dense), *rest]

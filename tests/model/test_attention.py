@@ -48,6 +48,8 @@ CASES = {
     "short-chunk-on-a-long-prefix": (ForwardMode.EXTEND, [100], [16], "cpu-kernels"),  # 0.93
     "fresh-short-prompt": (ForwardMode.EXTEND, [0], [5], "cpu-kernels"),
     "short-chunks-on-prefixes": (ForwardMode.EXTEND, [20, 0], [4, 24], "cpu-kernels"),
+    # a chunk on a prefix before a short fresh prompt: density 0.34
+    "chunk-then-short-prompt": (ForwardMode.EXTEND, [10, 0], [20, 2], "cpu-kernels"),
 }
 
 
@@ -118,6 +120,13 @@ def test_cpu_sdpa_computes_bfloat16_natively_only_on_cpus_with_amx(monkeypatch, 
     monkeypatch.setattr(attention_module, "has_amx_bf16", lambda: amx)
     (sdpa,) = select_backends(CPU, 24, None)
     assert isinstance(sdpa, SdpaAttention) and sdpa.cpu_native is amx
+    kernels_first, _ = select_backends(CPU, HEAD_DIM, FAKE_OPS)
+    assert isinstance(kernels_first, CpuKernelAttention) and kernels_first.sdpa_dense is amx
+    attn = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM)  # handing the kernels out and back in
+    attn.backends = select_backends(CPU, HEAD_DIM, FAKE_OPS)
+    attn.cpu_ops = None
+    attn.cpu_ops = FAKE_OPS
+    assert attn.backends[0].sdpa_dense is amx
     computed_in = []
     call = attention_module._sdpa_call
 
@@ -130,7 +139,10 @@ def test_cpu_sdpa_computes_bfloat16_natively_only_on_cpus_with_amx(monkeypatch, 
     kv = torch.randn(1, KV_HEADS, 5, 24).to(torch.bfloat16)
     layer = PagedAttention(0, HEADS, KV_HEADS, 24).layer
     assert sdpa._sdpa(q, kv, kv, None, True, layer).dtype == torch.bfloat16
-    assert computed_in == [torch.bfloat16 if amx else torch.float32]
+    half = sdpa._sdpa(q.half(), kv.half(), kv.half(), None, True, layer)
+    assert half.dtype == torch.float16
+    # float16 is upcast everywhere: only bfloat16 was measured faster natively
+    assert computed_in == [torch.bfloat16 if amx else torch.float32, torch.float32]
 
 
 def test_pick_backend_refuses_a_batch_no_backend_takes() -> None:

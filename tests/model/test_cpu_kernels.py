@@ -186,16 +186,17 @@ def test_decode_attention_refuses_mismatched_inputs(ops) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
-def test_rms_norm_and_fused_residual_add_match_pytorch(ops, dtype, atol) -> None:
+@pytest.mark.parametrize("width", [576, 100])  # SmolLM2's, and one with a tail past 8 and 16 lanes
+def test_rms_norm_and_fused_residual_add_match_pytorch(ops, dtype, atol, width) -> None:
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(37, 576, generator=gen) * 4).to(dtype)
-    residual = torch.randn(37, 576, generator=gen).to(dtype)
-    weight = torch.rand(576, generator=gen).to(dtype) + 0.5
-    want = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    x = (torch.randn(37, width, generator=gen) * 4).to(dtype)
+    residual = torch.randn(37, width, generator=gen).to(dtype)
+    weight = torch.rand(width, generator=gen).to(dtype) + 0.5
+    want = F.rms_norm(x.float(), (width,), weight.float(), 1e-5)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5).float(), want, atol=atol, rtol=atol)
 
     summed = x + residual  # rounded to the dtype, as the model's residual stream is
-    want = F.rms_norm(summed.float(), (576,), weight.float(), 1e-5)
+    want = F.rms_norm(summed.float(), (width,), weight.float(), 1e-5)
     out, res = x.clone(), residual.clone()
     ops.add_rms_norm_(out, res, weight, 1e-5)
     assert torch.equal(res, summed)

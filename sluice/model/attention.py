@@ -162,7 +162,7 @@ class CpuKernelAttention:
         else:
             split = None
             if self.sdpa_dense and q.dtype == torch.bfloat16:
-                split = fb.dense_split(self.DENSE_MIN_QUERIES)
+                split = fb.dense_split(self.DENSE_MIN_QUERIES, q.dtype)
             if split is None:
                 out = self.ops.extend_attention(
                     qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, layer.scale

@@ -45,8 +45,9 @@ class DenseSplit:
     (`ForwardBatch.dense_split`), for a backend that attends to each such request on its own."""
 
     # per such request: [start, end) of its tokens in T, and, where it has a prefix, the slots
-    # it reads [S] and what each of its queries sees [end - start, S] (None: a fresh prompt,
-    # plain causal over its own new tokens)
+    # it reads [S] and what each of its queries sees [end - start, S], as an additive mask (0
+    # where seen, -inf elsewhere: SDPA would convert a boolean one on every layer) (None: a
+    # fresh prompt, plain causal over its own new tokens)
     requests: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
     rest: torch.Tensor | None  # [R] the other tokens' rows of T; None: there are none
     rest_rows: torch.Tensor | None  # [R] their request (row of kv_indices)
@@ -76,7 +77,9 @@ class ForwardBatch:
     mm_inputs: MultimodalInputs | None = None  # images with positions in this forward; None: none
     all_logits: bool = False  # `logits_index` is known to be every row of T, in order
     _padded: PaddedQueries | None = field(default=None, repr=False)
-    _dense: dict[int, DenseSplit | None] = field(default_factory=dict, repr=False)
+    _dense: dict[tuple[int, torch.dtype], DenseSplit | None] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def build(
@@ -197,16 +200,17 @@ class ForwardBatch:
             self._padded = _padded_queries(self)
         return self._padded
 
-    def dense_split(self, min_queries: int) -> DenseSplit | None:
+    def dense_split(self, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:
         """The requests with at least `min_queries` new tokens, and the rest of the batch's
-        tokens (CPU EXTEND batches); None when no request has that many. Built at the first
-        call and kept, as `padded`."""
-        if min_queries not in self._dense:
-            self._dense[min_queries] = _dense_split(self, min_queries)
-        return self._dense[min_queries]
+        tokens (CPU EXTEND batches); None when no request has that many. Masks in
+        `mask_dtype` (the queries'). Built at the first call and kept, as `padded`."""
+        key = (min_queries, mask_dtype)
+        if key not in self._dense:
+            self._dense[key] = _dense_split(self, min_queries, mask_dtype)
+        return self._dense[key]
 
 
-def _dense_split(fb: ForwardBatch, min_queries: int) -> DenseSplit | None:
+def _dense_split(fb: ForwardBatch, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:
     pre, ext = fb.prefix_lens_cpu.tolist(), fb.extend_lens_cpu.tolist()
     requests, start, keep = [], 0, []
     for b, (p, e) in enumerate(zip(pre, ext, strict=True)):
@@ -215,7 +219,8 @@ def _dense_split(fb: ForwardBatch, min_queries: int) -> DenseSplit | None:
         elif p == 0:
             requests.append((start, start + e, None, None))
         else:  # query i at position p + i sees keys j <= p + i
-            seen = torch.ones(e, p + e, dtype=torch.bool).tril(p)
+            unseen = torch.ones(e, p + e, dtype=torch.bool).triu(p + 1)
+            seen = torch.zeros(e, p + e, dtype=mask_dtype).masked_fill_(unseen, float("-inf"))
             requests.append((start, start + e, fb.kv_indices[b, : p + e], seen))
         start += e
     if not requests:

@@ -104,7 +104,7 @@ class ServerArgs:
     # 2048 rather than 1024: on a 2-core AMX Xeon (lscpu model 167), 32 prompts of 150 tokens
     # arriving together ran 1.07x more output tok/s (paired, 6 rounds; 4096: 1.08x), as oneDNN's
     # bfloat16 GEMM uses two threads well only from about 2048 rows; a step of a long prompt's
-    # chunk (which the running batch decodes beside) lasts about twice as long as at 1024
+    # chunk (which the running batch decodes beside) holds twice the tokens it did at 1024
     chunked_prefill_size: int = _opt(
         2048,
         "longest prefill chunk of one request: longer prompts are prefilled over several steps, "

@@ -189,7 +189,6 @@ def test_the_kernels_and_sdpa_agree_on_every_batch(monkeypatch, case, dtype, ato
     torch.testing.assert_close(native.float(), want.float(), atol=atol, rtol=0)
     torch.testing.assert_close(split.float(), want.float(), atol=atol, rtol=0)
     # one SDPA call a request of 4 queries or more, masked where it has a prefix (bfloat16 only)
-    _, prefix_lens, extend_lens, _ = CASES[case]
     many = [p > 0 for p, e in zip(prefix_lens, extend_lens, strict=True) if e >= 4]
     if mode == ForwardMode.DECODE or dtype == torch.float32:
         many = []

@@ -95,10 +95,13 @@ class ModelRunner:
         self.cpu_ops = _sampler_kernels(device)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] in float32 for the rows in `fb.logits_index`."""
+    def forward(self, fb: ForwardBatch, float_logits: bool = True) -> torch.Tensor:
+        """Logits [N, vocab] for the rows in `fb.logits_index`: in float32, or with
+        `float_logits` False in the model's dtype (a step that only takes each row's argmax,
+        which widening does not change, skips the copy)."""
         self._encode_images(fb)
-        return self.model(fb, self.kv).float()
+        logits = self.model(fb, self.kv)
+        return logits.float() if float_logits else logits
 
     @torch.inference_mode()
     def forward_output(self, fb: ForwardBatch) -> ForwardOutput:

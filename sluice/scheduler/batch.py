@@ -129,6 +129,10 @@ def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
     if with_hidden:
         out = runner.forward_output(plan.forward)
     else:
+        if runner.cpu_ops is not None and _argmax_only(plan):
+            return _argmax_step(
+                plan, runner.forward(plan.forward, float_logits=False), runner.cpu_ops
+            )
         out = ForwardOutput(runner.forward(plan.forward), None)
     input_lps = _input_logprobs(out.logits, plan.spans, plan.reqs, plan.new_lens)
     n = len(plan.last)
@@ -147,6 +151,41 @@ def execute(runner: ModelRunner, plan: StepPlan) -> StepOutput:
             result.errors[i] = NON_FINITE
     if any(finite[i] for i in sampled):
         _sample(plan, [i for i in sampled if finite[i]], logits, result, runner.cpu_ops)
+    return result
+
+
+def _argmax_only(plan: StepPlan) -> bool:
+    """Whether the step's logits serve only each row's argmax: no prompt logprobs, and every
+    request of plan.last is a plain greedy generation (no logit processor, stop blocking or
+    grammar) that wants no logprobs."""
+    return not plan.spans and all(
+        r.pooled is None and not r.return_logprob and not r.is_constrained
+        and is_plain_greedy(r.params) and not _blocks_stops(r)
+        for r in plan.last
+    )  # fmt: skip
+
+
+def _argmax_step(plan: StepPlan, logits: torch.Tensor, kernels: Any) -> StepOutput:
+    """`execute`'s result for an `_argmax_only` step, from its logits in the model's dtype
+    (float32 or bfloat16: widening to float32 is exact, so the same tokens as `_sample`'s
+    argmax of the float32 logits, without that copy of [rows, vocab]): two passes of the CPU
+    kernels over them, the finite test and the argmax."""
+    n = len(plan.last)
+    result = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n, [])
+    if not plan.last:
+        return result
+    logits = _rows(logits, plan.last_rows)
+    if logits.dtype not in (torch.float32, torch.bfloat16):  # what the kernels take
+        logits = logits.float()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    finite = kernels.finite_rows(logits)
+    tokens = kernels.argmax_rows(logits).tolist()
+    for i in sampled_rows(plan):
+        if finite[i]:
+            result.tokens[i] = tokens[i]
+        else:
+            result.errors[i] = NON_FINITE
     return result
 
 

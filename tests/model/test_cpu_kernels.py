@@ -494,6 +494,29 @@ def test_argmax_rows_refuses_what_it_cannot_take(ops) -> None:
             ops.argmax_rows(x)
 
 
+def test_argmax_and_finite_rows_take_bfloat16_as_its_float32_widening(ops) -> None:
+    """bfloat16 logits (a step that only wants argmaxes skips the float32 copy): the same rows
+    flagged and the same indices as the float32 logits they widen to exactly, in the vector part
+    and the tail past the last whole vector (V = 70), ties on the first index."""
+    x = torch.randn(10, 70).bfloat16()
+    x[1, 3], x[2, 69], x[3, 40] = float("nan"), float("inf"), float("-inf")
+    x[4, [7, 66]] = 9.0  # a tie between the vector part and the tail
+    x[5, 65] = 9.0  # the maximum alone in the tail
+    x[6] = 0.0  # every value tied: index 0
+    x[7, 68] = 3e38  # finite in bfloat16 too
+    wide = x.float()
+    expected = torch.isfinite(wide).all(dim=-1).tolist()
+    assert expected == [True, False, False, False, True, True, True, True, True, True]
+    assert ops.finite_rows(x) == expected
+    assert ops.finite_rows(x[::3]) == expected[::3]  # rows with a stride of their own
+    no_nan = [r for r in range(10) if r != 1]  # argmax_rows is torch.argmax's for no NaN
+    got = ops.argmax_rows(x[no_nan])
+    assert got.tolist() == wide[no_nan].argmax(dim=-1).tolist()
+    assert got.tolist()[3:6] == [7, 65, 0]
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.argmax_rows(x.half())
+
+
 def test_finite_rows_flags_each_row_with_a_nan_or_an_infinity(ops) -> None:
     """Every position of a row, in the vector part and the tail past the last whole vector
     (V = 70 is not a multiple of 8 or 16 lanes), and huge finite values that a row sum would

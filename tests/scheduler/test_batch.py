@@ -51,6 +51,60 @@ def test_decode_plan_executes_to_argmax_tokens_and_a_non_finite_error() -> None:
     assert [r.kv_committed_len for r in reqs] == [2, 1]  # applying the output is the caller's
 
 
+class KernelRunner(FakeRunner):
+    """A fake runner with sluice's CPU kernels, whose logits are bfloat16 as a bfloat16
+    model's: float32 only when `forward` is asked for them (its default)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        from sluice.model.kernels import cpu_ops
+
+        super().__init__(logits.bfloat16())
+        self.cpu_ops = cpu_ops()
+        assert self.cpu_ops is not None, "the CPU kernels did not build (see the warning log)"
+        self.float_logits: list[bool] = []
+
+    def forward(self, fb, float_logits: bool = True) -> torch.Tensor:
+        self.float_logits.append(float_logits)
+        logits = super().forward(fb)
+        return logits.float() if float_logits else logits
+
+
+def test_a_greedy_step_without_logprobs_takes_the_argmax_of_the_models_own_logits() -> None:
+    """Plain greedy rows that want no logprobs get their tokens from the bfloat16 logits as they
+    come (no float32 copy), the same tokens as from the float32 ones, and a non-finite row its
+    error; a row that wants logprobs, a penalty, or stop ids blocked below min_new_tokens takes
+    the float32 path."""
+
+    def decode(**params) -> tuple[list, torch.Tensor]:
+        reqs = [_req(rid, [1, 2], row, max_new_tokens=4, **params) for row, rid in enumerate("abc")]
+        for req in reqs:
+            req.output_ids = [5]
+            req.kv_committed_len = req.seq_len - 1
+        r2t = torch.zeros(3, 8, dtype=torch.int64)
+        return reqs, plan_decode(reqs, r2t, torch.tensor([7, 8, 9]), FakeRunner.device)
+
+    logits = torch.randn(3, 70)
+    logits[0, [11, 66]] = 9.0  # a tie: the first index
+    logits[1, 3] = float("inf")
+    logits[2, 69] = 9.0  # in the tail past the last whole vector
+    _, plan = decode()
+    runner = KernelRunner(logits)
+    out = execute(runner, plan)
+    assert runner.float_logits == [False]
+    assert out.tokens == [11, None, 69] and out.errors == [None, NON_FINITE, None]
+    float_path = execute(FakeRunner(runner.logits.float()), plan)  # the PyTorch sampler's
+    assert float_path.tokens == out.tokens and float_path.errors == out.errors
+    for params in ({"frequency_penalty": 0.5}, {"min_new_tokens": 2, "stop_token_ids": [3]}):
+        runner = KernelRunner(logits)
+        execute(runner, decode(**params)[1])
+        assert runner.float_logits == [True], params
+    reqs, plan = decode()
+    reqs[2].return_logprob = True
+    runner = KernelRunner(logits)
+    out = execute(runner, plan)
+    assert runner.float_logits == [True] and out.logprobs[2] is not None
+
+
 def test_prefill_plan_pools_a_score_request_and_leaves_prompt_only_unsampled() -> None:
     score = _req("s", [1, 2, 3], 0, max_new_tokens=0)
     score.pooled, score.label_token_ids = SCORE, [4, 6]

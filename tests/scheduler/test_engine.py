@@ -128,10 +128,10 @@ def _count_extends(engine: Engine) -> list[int]:
     sizes: list[int] = []
     forward = engine.scheduler.runner.forward
 
-    def counting(fb: Any) -> Any:
+    def counting(fb: Any, **kwargs: Any) -> Any:
         if fb.mode == ForwardMode.EXTEND:
             sizes.append(int(fb.input_ids.numel()))
-        return forward(fb)
+        return forward(fb, **kwargs)
 
     engine.scheduler.runner.forward = counting  # type: ignore[method-assign]
     return sizes

@@ -17,11 +17,11 @@ def test_forward_exception_aborts_the_batch_and_the_engine_keeps_serving(
     real_forward = runner.forward
     calls = {"n": 0}
 
-    def failing_forward(fb):
+    def failing_forward(fb, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:  # fail a decode step, after slots were allocated for it
             raise RuntimeError("injected fault")
-        return real_forward(fb)
+        return real_forward(fb, **kwargs)
 
     monkeypatch.setattr(runner, "forward", failing_forward)
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -49,8 +49,8 @@ def test_non_finite_logits_end_only_that_request(
     real_forward = runner.forward
     poisoned = {"first": True}
 
-    def nan_for_one_row(fb):
-        logits = real_forward(fb)
+    def nan_for_one_row(fb, **kwargs):
+        logits = real_forward(fb, **kwargs)
         if poisoned["first"] and logits.shape[0] == 2:
             poisoned["first"] = False
             logits = logits.clone()  # an inference tensor: modify a copy
@@ -78,12 +78,12 @@ def test_a_failing_mixed_step_ends_its_prompts_and_spares_the_decoding_requests(
     real_forward = runner.forward
     extends = {"n": 0}
 
-    def failing_forward(fb):
+    def failing_forward(fb, **kwargs):
         if fb.mode == ForwardMode.EXTEND:
             extends["n"] += 1
             if extends["n"] == 2:  # the second chunk, with the first request's decode
                 raise RuntimeError("injected fault")
-        return real_forward(fb)
+        return real_forward(fb, **kwargs)
 
     monkeypatch.setattr(runner, "forward", failing_forward)
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -12,8 +12,9 @@ bias=None)` (up to `small_linear_max_rows` rows, in_features a multiple of
 tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs. For the sampler's
 grammar masks, on float32 logits and int32 bitmasks: `masked_argmax(logits, masks, rows=None)`
 and `grammar_mask_(logits, masks, rows=None)` (exact: the same tokens and values as adding
-`sluice.model.sampler.grammar_bias`), and `argmax_rows(logits)` for the greedy rows (the
-first index of the maximum, as torch.argmax for logits without NaN). `DecodeLayers`
+`sluice.model.sampler.grammar_bias`); `argmax_rows(logits)` for the greedy rows (the
+first index of the maximum, as torch.argmax for logits without NaN) and `finite_rows(logits)`,
+on float32 or bfloat16 logits. `DecodeLayers`
 runs a llama decoder stack with GGUF block weights over a decode step in one call
 (sluice.model.fused_decode), once `quant_ops()` has handed it its linear layers.
 

@@ -1232,18 +1232,13 @@ at::Tensor masked_argmax(const at::Tensor& logits, const at::Tensor& masks,
 }
 
 // int64 [R]: the first index of each row's maximum, as torch.argmax for logits without NaN;
-// one thread, like the masked argmax above (the sampler calls it with the GIL released)
-at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-              "argmax_rows: logits must be 2-D float32 with contiguous rows");
-  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
-  TORCH_CHECK(V > 0, "argmax_rows: rows of 0 logits have no argmax");
-  auto out = at::empty({R}, logits.options().dtype(at::kLong));
-  const float* xp = logits.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
+// float32 or bfloat16 logits (bfloat16 widens to float32 exactly: the same index either way).
+// One thread, like the masked argmax above (the sampler calls it with the GIL released).
+template <typename T>
+void argmax_rows_impl(const T* xp, int64_t R, int64_t V, int64_t stride, int64_t* op) {
   const int64_t full = V / W * W;
   for (int64_t r = 0; r < R; ++r) {
-    const float* x = xp + r * stride;
+    const T* x = xp + r * stride;
     vf best = ninf_vf();
     for (int64_t t = 0; t < full; t += W) {
       const vf v = load(x + t);
@@ -1251,40 +1246,61 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
     }
     float b = best[0];
     for (int i = 1; i < W; ++i) b = std::max(b, best[i]);
-    for (int64_t t = full; t < V; ++t) b = std::max(b, x[t]);
+    for (int64_t t = full; t < V; ++t) b = std::max(b, to_float(x[t]));
     int64_t at = 0;
-    while (at < V - 1 && x[at] != b) ++at;
+    while (at < V - 1 && to_float(x[at]) != b) ++at;
     op[r] = at;
   }
+}
+
+void check_logits(const at::Tensor& logits, const char* what) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 &&
+              (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              what, ": logits must be 2-D float32 or bfloat16 with contiguous rows");
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_logits(logits, "argmax_rows");
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(V > 0, "argmax_rows: rows of 0 logits have no argmax");
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  if (logits.scalar_type() == at::kFloat) argmax_rows_impl(logits.data_ptr<float>(), R, V, stride, op);
+  else argmax_rows_impl(logits.data_ptr<at::BFloat16>(), R, V, stride, op);
   return out;
 }
 
-// Per row of float32 logits [R, V]: whether all its values are finite, by their exponent bits (all
-// ones for an infinity or NaN; a float test such as x * 0 == 0 is folded away under this build's
-// flags). One call instead of the reduction, test and copy of PyTorch ops the step ran here, each
-// slow right after a forward has streamed the weights through the caches.
-std::vector<bool> finite_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-              "finite_rows: logits must be 2-D float32 with contiguous rows");
-  typedef int32_t vi __attribute__((vector_size(4 * W)));
+// Per row of logits [R, V] (float32 or bfloat16): whether all its values are finite, by their
+// exponent bits (all ones for an infinity or NaN; a float test such as x * 0 == 0 is folded
+// away under this build's flags). One call instead of the reduction, test and copy of PyTorch
+// ops the step ran here, each slow right after a forward has streamed the weights through the
+// caches.
+template <typename T>
+void finite_rows_impl(const T* xp, int64_t R, int64_t V, int64_t stride, std::vector<bool>& out) {
   constexpr int32_t EXP = 0x7f800000;
-  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
-  const float* xp = logits.data_ptr<float>();
   const int64_t full = V / W * W;
-  std::vector<bool> out(R);
   for (int64_t r = 0; r < R; ++r) {
-    const float* x = xp + r * stride;
+    const T* x = xp + r * stride;
     vi bad = {};
     for (int64_t t = 0; t < full; t += W) {
+      const vf v = load(x + t);  // bfloat16 widened: the same exponent bits
       vi bits;
-      std::memcpy(&bits, x + t, sizeof bits);
+      std::memcpy(&bits, &v, sizeof bits);
       bad |= (bits & EXP) == EXP;  // -1 in a lane whose value is not finite
     }
     bool ok = true;
     for (int i = 0; i < W; ++i) ok &= bad[i] == 0;
-    for (int64_t t = full; t < V; ++t) ok &= std::isfinite(x[t]);
+    for (int64_t t = full; t < V; ++t) ok &= std::isfinite(to_float(x[t]));
     out[r] = ok;
   }
+}
+
+std::vector<bool> finite_rows(const at::Tensor& logits) {
+  check_logits(logits, "finite_rows");
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  std::vector<bool> out(R);
+  if (logits.scalar_type() == at::kFloat) finite_rows_impl(logits.data_ptr<float>(), R, V, stride, out);
+  else finite_rows_impl(logits.data_ptr<at::BFloat16>(), R, V, stride, out);
   return out;
 }
 

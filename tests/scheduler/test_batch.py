@@ -94,7 +94,7 @@ def test_a_greedy_step_without_logprobs_takes_the_argmax_of_the_models_own_logit
     assert out.tokens == [11, None, 69] and out.errors == [None, NON_FINITE, None]
     float_path = execute(FakeRunner(runner.logits.float()), plan)  # the PyTorch sampler's
     assert float_path.tokens == out.tokens and float_path.errors == out.errors
-    for params in ({"frequency_penalty": 0.5}, {"min_new_tokens": 2, "stop_token_ids": [3]}):
+    for params in ({"frequency_penalty": 0.5}, {"min_new_tokens": 2}):  # EOS blocked below 2
         runner = KernelRunner(logits)
         execute(runner, decode(**params)[1])
         assert runner.float_logits == [True], params
@@ -103,6 +103,20 @@ def test_a_greedy_step_without_logprobs_takes_the_argmax_of_the_models_own_logit
     runner = KernelRunner(logits)
     out = execute(runner, plan)
     assert runner.float_logits == [True] and out.logprobs[2] is not None
+    # a prefill whose greedy request is the only one to sample, beside a chunk that wants its
+    # prompt's logprobs: those need the float32 logits too
+    greedy = _req("g", [1, 2], 0, max_new_tokens=4)
+    chunk = Req("c", [3, 4, 5, 6], SamplingParams(temperature=0.0), 0, frozenset(),
+                return_logprob=True, logprob_start_len=0)  # fmt: skip
+    chunk.req_pool_idx, chunk.is_chunked = 1, True
+    greedy.extend_len, chunk.extend_len = 2, 2
+    plan = plan_prefill([greedy, chunk], torch.zeros(2, 8, dtype=torch.int64),
+                        torch.arange(1, 5), FakeRunner.device)  # fmt: skip
+    assert plan.last == [greedy] and plan.spans
+    runner = KernelRunner(torch.randn(3, 70))  # greedy's last row, the chunk's two
+    out = execute(runner, plan)
+    assert runner.float_logits == [True] and out.tokens[0] is not None
+    assert [r.rid for r, _, _ in out.input_logprobs] == ["c"]
 
 
 def test_prefill_plan_pools_a_score_request_and_leaves_prompt_only_unsampled() -> None:

@@ -379,10 +379,10 @@ def test_masks_are_filled_beside_the_forward_with_the_same_output(
         started.set()
         return fill(reqs)
 
-    def forward_(fb: Any) -> Any:
+    def forward_(fb: Any, **kwargs: Any) -> Any:
         beside.append(started.wait(30))  # every step here has constrained rows
         started.clear()
-        return forward(fb)
+        return forward(fb, **kwargs)
 
     monkeypatch.setattr(grammars, "fill_masks", fill_masks)
     monkeypatch.setattr(runner, "forward", forward_)
@@ -449,8 +449,8 @@ def test_forced_bytes_take_the_mask_with_its_canonical_tokens(
 
     forward = runner.forward
 
-    def pushed(fb: Any) -> Any:
-        logits = forward(fb).clone()
+    def pushed(fb: Any, **kwargs: Any) -> Any:
+        logits = forward(fb, **kwargs).clone()
         logits[:, h] += 100.0
         return logits
 
@@ -490,7 +490,7 @@ def test_a_failing_forward_waits_for_its_masks_before_its_requests_end(
         events.append("masks")
         return masks
 
-    def forward_(fb: Any) -> Any:
+    def forward_(fb: Any, **kwargs: Any) -> Any:
         release.set()
         raise RuntimeError("injected fault")
 

@@ -80,6 +80,7 @@ class ForwardBatch:
     _dense: dict[tuple[int, torch.dtype], DenseSplit | None] = field(
         default_factory=dict, repr=False
     )
+    _shared_prefix: int | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -200,6 +201,14 @@ class ForwardBatch:
             self._padded = _padded_queries(self)
         return self._padded
 
+    def shared_prefix(self) -> int:
+        """DECODE on the CPU: how many first slots every request reads alike (a common prompt
+        prefix, which the radix cache holds once), short of each request's own last slot; 0
+        for one request or another mode. Computed at the first call and kept."""
+        if self._shared_prefix is None:
+            self._shared_prefix = _shared_prefix(self)
+        return self._shared_prefix
+
     def dense_split(self, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:
         """The requests with at least `min_queries` new tokens, and the rest of the batch's
         tokens (CPU EXTEND batches); None when no request has that many. Masks in
@@ -208,6 +217,17 @@ class ForwardBatch:
         if key not in self._dense:
             self._dense[key] = _dense_split(self, min_queries, mask_dtype)
         return self._dense[key]
+
+
+def _shared_prefix(fb: ForwardBatch) -> int:
+    if fb.mode != ForwardMode.DECODE or fb.batch_size < 2 or fb.kv_indices.device.type != "cpu":
+        return 0
+    most = int(fb.seq_lens.min()) - 1  # each request keeps at least its own new slot
+    if most <= 0:
+        return 0
+    head = fb.kv_indices.numpy()[:, :most]
+    same = (head == head[0]).all(axis=0)  # [most]: the column is one slot for every request
+    return most if same.all() else int(same.argmin())
 
 
 def _dense_split(fb: ForwardBatch, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:

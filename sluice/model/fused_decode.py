@@ -52,6 +52,7 @@ class FusedDecode:
         first = model.layers[0].self_attn
         rope = first.rope
         self.kv = kv
+        self.dtype = kv.k[0].dtype  # the model's, its cache's
         self.max_rows = _max_rows(model)
         self.attention = first.attn.backends[0]  # the kernels' (`why_not_fused`)
         self.enabled = True
@@ -88,7 +89,7 @@ class FusedDecode:
         if fb.mode == ForwardMode.DECODE:
             return self.layers.forward(
                 fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),
-                fb.seq_lens,
+                fb.seq_lens, shared_prefix=self.attention.shared_prefix(fb, self.dtype),
             )  # fmt: skip
         return self.layers.forward(
             fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),

@@ -169,6 +169,48 @@ def test_attention_holds_with_scores_hundreds_apart(ops, threads, dtype, atol, l
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize(
+    ("num", "shared", "own"), [(8, 130, [1, 7, 30]), (3, 40, [2, 1, 300])], ids=["many", "few"]
+)
+def test_decode_attention_over_a_shared_prefix_matches_sdpa(
+    ops, threads, dtype, atol, num_heads, num_kv_heads, head_dim, num, shared, own
+) -> None:
+    """Requests whose first `shared` slots are the same (scattered, as the radix cache leaves a
+    prefix) and then slots of their own: attended over the shared ones all together
+    (shared_prefix) the result is the plain kernel's, and SDPA's, up to rounding."""
+    gen = torch.Generator().manual_seed(num * 100 + shared + num_heads + head_dim)
+    k_pool = torch.randn(SLOTS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(SLOTS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    lens = [shared + own[b % len(own)] for b in range(num)]
+    slots = torch.randperm(SLOTS - 1, generator=gen) + 1
+    indices = torch.zeros(num, max(lens), dtype=torch.int64)
+    indices[:, :shared] = slots[:shared]
+    start = shared
+    for b, n in enumerate(lens):
+        indices[b, shared:n] = slots[start : start + n - shared]
+        start += n - shared
+    q = torch.randn(num, num_heads, head_dim, generator=gen).to(dtype) * 3
+    seq_lens, scale = torch.tensor(lens, dtype=torch.int64), head_dim**-0.5
+    out = ops.decode_attention(q, k_pool, v_pool, indices, seq_lens, scale, shared)
+    plain = ops.decode_attention(q, k_pool, v_pool, indices, seq_lens, scale)
+    want = _reference(q, k_pool, v_pool, indices, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
+    torch.testing.assert_close(out.float(), plain.float(), atol=atol, rtol=0)
+    # a prefix that is not shared, or that leaves a request no slot of its own, is refused
+    with pytest.raises(RuntimeError, match="request 1's first slots differ"):
+        other = indices.clone()
+        other[1, shared - 1] = slots[-1]
+        ops.decode_attention(q, k_pool, v_pool, other, seq_lens, scale, shared)
+    with pytest.raises(RuntimeError, match="sees only"):
+        short = seq_lens.clone()
+        short[-1] = shared
+        ops.decode_attention(q, k_pool, v_pool, indices, short, scale, shared)
+
+
 def test_decode_attention_refuses_mismatched_inputs(ops) -> None:
     q = torch.zeros(2, 4, 64)
     pool = torch.zeros(16, 4, 64, dtype=torch.bfloat16)

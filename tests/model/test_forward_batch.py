@@ -57,3 +57,29 @@ def test_a_decode_batch_with_some_logits_rows_keeps_them() -> None:
         [0, 1, 2], [0, 2], torch.device("cpu"),
     )  # fmt: skip
     assert fb.logits_index.tolist() == [0, 2] and not fb.all_logits
+
+
+def test_shared_prefix_is_the_slots_every_decoding_request_reads_alike() -> None:
+    """The longest run of first slots all rows hold, short of each request's own last slot
+    (its new token's); 0 for one request and for extends."""
+
+    def decode(positions: list[int], shared: int) -> ForwardBatch:
+        r2t = _pool() + 100 * torch.arange(4)[:, None]  # each row its own slots
+        r2t[:, :shared] = r2t[0, :shared].clone()  # but a prefix held once
+        rows, slots = list(range(len(positions))), torch.arange(100, 100 + len(positions))
+        return ForwardBatch.decode([1] * len(positions), positions, rows, slots, r2t.numpy())
+
+    assert decode([9, 6, 7], shared=5).shared_prefix() == 5
+    assert decode([9, 6, 7], shared=9).shared_prefix() == 6  # request 1 keeps slot 6, its own
+    assert decode([9, 6, 7], shared=0).shared_prefix() == 0
+    assert decode([9], shared=5).shared_prefix() == 0  # one request
+    fb = decode([9, 6, 7], shared=5)
+    fb.kv_indices[2, 3] = 99  # a slot of its own inside: the run stops there
+    fb._shared_prefix = None
+    assert fb.shared_prefix() == 3
+    r2t = _pool()  # every row the same slots
+    extend = ForwardBatch.build(
+        ForwardMode.EXTEND, [1, 2], [4, 4], [1, 1], torch.tensor([5, 6]), r2t, [0, 1], [0, 1],
+        torch.device("cpu"),
+    )  # fmt: skip
+    assert extend.shared_prefix() == 0

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from sluice.checkpoint.model_config import ModelConfig
+from sluice.model.attention import CpuKernelAttention
 from sluice.model.forward_batch import ForwardBatch, ForwardMode
 from sluice.model.fused_decode import FusedDecode, why_not_fused
 from sluice.model.kernels import quant_ops
@@ -40,10 +41,14 @@ def _runner(model_dir: str, dtype: torch.dtype, quantization: str) -> ModelRunne
     return ModelRunner(cfg, CPU, dtype, kv_size=10 * SLOTS_PER_REQ, quantization=quantization)
 
 
-def _batch(mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]) -> ForwardBatch:
-    """Request b's tokens at positions prefix_lens[b].., in its own slots 1 + b * 32 + position."""
+def _batch(
+    mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int], shared: int = 0
+) -> ForwardBatch:
+    """Request b's tokens at positions prefix_lens[b].., in its own slots 1 + b * 32 + position;
+    the first `shared` positions of every request in request 0's slots (a prefix held once)."""
     num = len(tokens)
     req_to_token = 1 + torch.arange(num * SLOTS_PER_REQ).view(num, SLOTS_PER_REQ)
+    req_to_token[:, :shared] = req_to_token[0, :shared].clone()
     extend = [len(t) for t in tokens]
     loc = torch.cat(
         [
@@ -160,6 +165,37 @@ def test_fused_extends_give_the_per_op_logits_exactly(tiny_llama_dir, dtype, qua
         with_fused, per_op = _both_ways(runner, fb)
         assert with_fused.shape == per_op.shape and torch.equal(with_fused, per_op)
     assert fused.steps == steps + len(batches)
+
+
+def test_a_shared_prefix_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, monkeypatch):
+    """Decoding requests whose first slots are the same (a common prompt prefix, held once)
+    attend over those slots all together (`decode_attention`'s shared_prefix: bfloat16 with
+    `sdpa_dense`, as CPUs with AMX have it; its results hold on any CPU), the same way in both
+    paths; close to attending over every slot request by request."""
+    runner = _runner(tiny_llama_dir, torch.bfloat16, "int4")
+    backend = runner.fused_decode.attention  # shared by every layer
+    backend.sdpa_dense = True
+    monkeypatch.setattr(CpuKernelAttention, "SHARED_MIN_SLOTS", 8)
+    num, shared = CpuKernelAttention.SHARED_MIN_REQUESTS, 12
+    prefix = list(range(300, 300 + shared))
+    own = [[400 + 3 * b + i for i in range(3)] for b in range(num)]
+    # request 0 computes the prefix and its own tokens, the others their own tokens after it
+    prompts = [prefix + own[0]] + own[1:]
+    runner.forward(_batch(ForwardMode.EXTEND, prompts, [0] + [shared] * (num - 1), shared))
+    lens = [shared + 3] * num
+    tokens = [[7 + b] for b in range(num)]
+    fb = _batch(ForwardMode.DECODE, tokens, lens, shared)
+    assert fb.shared_prefix() == shared and backend.shared_prefix(fb, torch.bfloat16) == shared
+    assert backend.shared_prefix(fb, torch.float32) == 0
+    steps = runner.fused_decode.steps
+    with_fused, per_op = _both_ways(runner, fb)
+    assert runner.fused_decode.steps == steps + 1
+    assert torch.equal(with_fused, per_op)
+    monkeypatch.setattr(CpuKernelAttention, "SHARED_MIN_SLOTS", 10**9)  # every slot, one by one
+    plain = runner.forward(_batch(ForwardMode.DECODE, tokens, lens, shared))
+    scale = plain.abs().max()
+    assert (plain - per_op).abs().max() <= 0.02 * scale, (plain - per_op).abs().max() / scale
+    assert plain.argmax(-1).tolist() == per_op.argmax(-1).tolist()
 
 
 def test_fused_decode_is_not_taken_where_it_must_not_be(tiny_llama_dir) -> None:

@@ -222,7 +222,7 @@ class ForwardBatch:
 def _shared_prefix(fb: ForwardBatch) -> int:
     if fb.mode != ForwardMode.DECODE or fb.batch_size < 2 or fb.kv_indices.device.type != "cpu":
         return 0
-    most = int(fb.seq_lens.min()) - 1  # each request keeps at least its own new slot
+    most = int(fb.seq_lens.numpy().min()) - 1  # each request keeps at least its own new slot
     if most <= 0:
         return 0
     head = fb.kv_indices.numpy()[:, :most]

@@ -287,3 +287,26 @@ def test_a_cpu_pool_takes_memory_as_it_fills() -> None:
         assert bool(t[0].eq(0).all())
         t.fill_(1.0)  # every page touched now
     assert _rss_bytes() - made > pool_bytes // 2
+
+
+def test_a_decode_step_attends_over_a_shared_prefix_only_where_it_pays() -> None:
+    """`shared_prefix` (cascade attention) with `sdpa_dense` (CPUs with AMX), in bfloat16, from
+    SHARED_MIN_REQUESTS requests sharing SHARED_MIN_SLOTS slots; 0 otherwise."""
+    most, least = CpuKernelAttention.SHARED_MIN_REQUESTS, CpuKernelAttention.SHARED_MIN_SLOTS
+
+    def decode(num: int, shared: int) -> ForwardBatch:
+        r2t = 1 + torch.arange(num * 512).view(num, 512)
+        r2t[:, :shared] = r2t[0, :shared].clone()
+        loc = torch.arange(num) + 10_000
+        return ForwardBatch.decode(
+            [1] * num, [shared + 5] * num, list(range(num)), loc, r2t.numpy()
+        )
+
+    amx, plain = CpuKernelAttention(FAKE_OPS, sdpa_dense=True), CpuKernelAttention(FAKE_OPS)
+    bf16 = torch.bfloat16
+    assert amx.shared_prefix(decode(most, least), bf16) == least
+    assert amx.shared_prefix(decode(most, 300), bf16) == 300
+    assert amx.shared_prefix(decode(most - 1, 300), bf16) == 0  # too few requests
+    assert amx.shared_prefix(decode(most, least - 1), bf16) == 0  # too short a prefix
+    assert amx.shared_prefix(decode(most, 300), torch.float32) == 0
+    assert plain.shared_prefix(decode(most, 300), bf16) == 0  # no AMX

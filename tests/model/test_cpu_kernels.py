@@ -211,6 +211,30 @@ def test_decode_attention_over_a_shared_prefix_matches_sdpa(
         ops.decode_attention(q, k_pool, v_pool, indices, short, scale, shared)
 
 
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+def test_decode_attention_over_a_long_shared_prefix_matches_sdpa(
+    native_ops, threads, dtype, atol
+) -> None:
+    """Past one block of PyTorch's blocked attention in both directions (keys in blocks of 512,
+    queries of 32: 1100 shared slots, 16 requests x 4 query heads a KV head), with 8 KV heads
+    and head_dim 128."""
+    num, shared, heads, kv_heads, dim = 16, 1100, 32, 8, 128
+    gen = torch.Generator().manual_seed(7)
+    k_pool = torch.randn(SLOTS, kv_heads, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(SLOTS, kv_heads, dim, generator=gen).to(dtype)
+    lens = [shared + 1 + 9 * b for b in range(num)]
+    slots = torch.randperm(SLOTS - 1, generator=gen) + 1
+    indices = torch.zeros(num, max(lens), dtype=torch.int64)
+    indices[:, :shared] = slots[:shared]
+    for b, n in enumerate(lens):
+        indices[b, shared:n] = slots[shared + 150 * b : shared + 150 * b + n - shared]
+    q = torch.randn(num, heads, dim, generator=gen).to(dtype) * 3
+    seq_lens, scale = torch.tensor(lens, dtype=torch.int64), dim**-0.5
+    out = native_ops.decode_attention(q, k_pool, v_pool, indices, seq_lens, scale, shared)
+    want = _reference(q, k_pool, v_pool, indices, lens, scale)
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
+
+
 def test_decode_attention_refuses_mismatched_inputs(ops) -> None:
     q = torch.zeros(2, 4, 64)
     pool = torch.zeros(16, 4, 64, dtype=torch.bfloat16)

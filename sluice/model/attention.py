@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sluice.model.forward_batch import ForwardBatch, ForwardMode
+from sluice.model.forward_batch import NO_SHARED_PREFIX, ForwardBatch, ForwardMode, SharedPrefix
 from sluice.model.kv_cache import KVCache
 from sluice.utils import envs
 from sluice.utils.system import has_amx_bf16
@@ -134,10 +134,11 @@ class CpuKernelAttention:
     # against this split: 64 x 40 tokens 68 against 146 ms, 64 x 75 172 against 256, 32 x 150
     # 272 against 220, 8 x 512 559 against 256, 2 x 1024 549 against 190
     DENSE_MIN_QUERIES = 128
-    # ... and a decode step of at least SHARED_MIN_REQUESTS requests whose first slots, at least
-    # SHARED_MIN_SLOTS of them, are the same (a common prompt prefix) attends over those slots
-    # all together, through PyTorch's blocked attention, and over the rest request by request
-    # (`decode_attention`'s shared_prefix; cascade attention). On the Xeon (model 167), µs a
+    # ... and at least SHARED_MIN_REQUESTS requests of a decode step whose first slots, at least
+    # SHARED_MIN_SLOTS of them, are the same (a common prompt prefix; the largest group with the
+    # same first slot, `ForwardBatch.shared_prefix`) attend over those slots all together,
+    # through PyTorch's blocked attention, and over the rest request by request
+    # (`decode_attention`'s shared_prefix and shared_requests; cascade attention). On the Xeon (model 167), µs a
     # layer in bfloat16, plain against shared: 32 requests over 450 shared + 40 own slots 365
     # against 182, 32 over 128 + 40 132 / 95, 32 over 64 + 40 86 / 82, 8 over 450 + 40 95 / 77,
     # 4 over 450 + 40 48 / 61
@@ -164,9 +165,10 @@ class CpuKernelAttention:
         k_pool, v_pool = kv.k[layer.layer_id], kv.v[layer.layer_id]  # [slots, Hkv, D]
         qc = q.contiguous()
         if fb.mode == ForwardMode.DECODE:
+            shared = self.shared_prefix(fb, q.dtype)
             out = self.ops.decode_attention(
-                qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale,
-                self.shared_prefix(fb, q.dtype),
+                qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale, shared.slots,
+                shared.requests,
             )  # fmt: skip  # [B, H, D]
         else:
             split = None
@@ -180,16 +182,20 @@ class CpuKernelAttention:
                 out = self._split_extend(qc, k, v, k_pool, v_pool, fb, split, layer)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
-    def shared_prefix(self, fb: ForwardBatch, dtype: torch.dtype) -> int:
-        """The slots a DECODE batch's requests attend over all together (the `shared_prefix`
-        of `decode_attention`), 0 for none: with `sdpa_dense`, in bfloat16, from
-        SHARED_MIN_REQUESTS requests sharing SHARED_MIN_SLOTS slots."""
+    def shared_prefix(self, fb: ForwardBatch, dtype: torch.dtype) -> SharedPrefix:
+        """The slots a DECODE batch's requests (all, or a group of them) attend over all
+        together (`decode_attention`'s shared_prefix and shared_requests), none (slots 0) but
+        with `sdpa_dense`, in bfloat16, from SHARED_MIN_REQUESTS requests sharing
+        SHARED_MIN_SLOTS slots."""
         if not self.sdpa_dense or dtype != torch.bfloat16:
-            return 0
+            return NO_SHARED_PREFIX
         if fb.batch_size < self.SHARED_MIN_REQUESTS:
-            return 0
+            return NO_SHARED_PREFIX
         shared = fb.shared_prefix()
-        return shared if shared >= self.SHARED_MIN_SLOTS else 0
+        count = fb.batch_size if shared.count is None else shared.count
+        if count < self.SHARED_MIN_REQUESTS or shared.slots < self.SHARED_MIN_SLOTS:
+            return NO_SHARED_PREFIX
+        return shared
 
     def _split_extend(self, q, k, v, k_pool, v_pool, fb, split, layer) -> torch.Tensor:
         out = torch.empty_like(q)  # [T, H, D]

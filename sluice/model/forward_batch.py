@@ -54,6 +54,24 @@ class DenseSplit:
     rest_seq_lens: torch.Tensor | None  # [R] the keys each sees
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A DECODE batch's first `slots` KV slots that the requests `requests` names (increasing
+    indices, int64; None: every request) all read alike, each of them seeing at least one slot
+    past them. slots 0: none."""
+
+    slots: int = 0
+    requests: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int | None:
+        """How many requests share it (None: every request of the batch)."""
+        return None if self.requests is None else int(self.requests.shape[0])
+
+
+NO_SHARED_PREFIX = SharedPrefix()
+
+
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
@@ -80,7 +98,7 @@ class ForwardBatch:
     _dense: dict[tuple[int, torch.dtype], DenseSplit | None] = field(
         default_factory=dict, repr=False
     )
-    _shared_prefix: int | None = field(default=None, repr=False)
+    _shared_prefix: SharedPrefix | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -201,10 +219,11 @@ class ForwardBatch:
             self._padded = _padded_queries(self)
         return self._padded
 
-    def shared_prefix(self) -> int:
-        """DECODE on the CPU: how many first slots every request reads alike (a common prompt
-        prefix, which the radix cache holds once), short of each request's own last slot; 0
-        for one request or another mode. Computed at the first call and kept."""
+    def shared_prefix(self) -> SharedPrefix:
+        """DECODE on the CPU: the first slots that the largest group of requests with the same
+        first slot all read alike (a common prompt prefix, which the radix cache holds once),
+        short of each one's own last slot; none for fewer than two such requests or another
+        mode. Computed at the first call and kept."""
         if self._shared_prefix is None:
             self._shared_prefix = _shared_prefix(self)
         return self._shared_prefix
@@ -219,15 +238,22 @@ class ForwardBatch:
         return self._dense[key]
 
 
-def _shared_prefix(fb: ForwardBatch) -> int:
+def _shared_prefix(fb: ForwardBatch) -> SharedPrefix:
     if fb.mode != ForwardMode.DECODE or fb.batch_size < 2 or fb.kv_indices.device.type != "cpu":
-        return 0
-    most = int(fb.seq_lens.numpy().min()) - 1  # each request keeps at least its own new slot
-    if most <= 0:
-        return 0
-    head = fb.kv_indices.numpy()[:, :most]
-    same = (head == head[0]).all(axis=0)  # [most]: the column is one slot for every request
-    return most if same.all() else int(same.argmin())
+        return NO_SHARED_PREFIX
+    kv, lens = fb.kv_indices.numpy(), fb.seq_lens.numpy()
+    values, counts = np.unique(kv[:, 0], return_counts=True)
+    members = np.flatnonzero(kv[:, 0] == values[counts.argmax()])  # increasing
+    most = int(lens[members].min()) - 1  # each request keeps at least its own new slot
+    if len(members) < 2 or most <= 0:
+        return NO_SHARED_PREFIX
+    head = kv[members, :most]
+    same = (head == head[0]).all(axis=0)  # [most]: the column is one slot for every member
+    slots = most if same.all() else int(same.argmin())
+    if slots == 0:
+        return NO_SHARED_PREFIX
+    every = len(members) == fb.batch_size
+    return SharedPrefix(slots, None if every else torch.from_numpy(members.astype(np.int64)))
 
 
 def _dense_split(fb: ForwardBatch, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:

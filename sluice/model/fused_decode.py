@@ -87,9 +87,10 @@ class FusedDecode:
         written into the cache as the per-op path writes them."""
         self.steps += 1
         if fb.mode == ForwardMode.DECODE:
+            shared = self.attention.shared_prefix(fb, self.dtype)
             return self.layers.forward(
                 fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),
-                fb.seq_lens, shared_prefix=self.attention.shared_prefix(fb, self.dtype),
+                fb.seq_lens, shared_prefix=shared.slots, shared_requests=shared.requests,
             )  # fmt: skip
         return self.layers.forward(
             fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),

@@ -304,9 +304,9 @@ def test_a_decode_step_attends_over_a_shared_prefix_only_where_it_pays() -> None
 
     amx, plain = CpuKernelAttention(FAKE_OPS, sdpa_dense=True), CpuKernelAttention(FAKE_OPS)
     bf16 = torch.bfloat16
-    assert amx.shared_prefix(decode(most, least), bf16) == least
-    assert amx.shared_prefix(decode(most, 300), bf16) == 300
-    assert amx.shared_prefix(decode(most - 1, 300), bf16) == 0  # too few requests
-    assert amx.shared_prefix(decode(most, least - 1), bf16) == 0  # too short a prefix
-    assert amx.shared_prefix(decode(most, 300), torch.float32) == 0
-    assert plain.shared_prefix(decode(most, 300), bf16) == 0  # no AMX
+    assert amx.shared_prefix(decode(most, least), bf16).slots == least
+    assert amx.shared_prefix(decode(most, 300), bf16).slots == 300
+    assert amx.shared_prefix(decode(most - 1, 300), bf16).slots == 0  # too few requests
+    assert amx.shared_prefix(decode(most, least - 1), bf16).slots == 0  # too short a prefix
+    assert amx.shared_prefix(decode(most, 300), torch.float32).slots == 0
+    assert plain.shared_prefix(decode(most, 300), bf16).slots == 0  # no AMX

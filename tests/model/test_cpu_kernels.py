@@ -212,6 +212,50 @@ def test_decode_attention_over_a_shared_prefix_matches_sdpa(
 
 
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+def test_decode_attention_over_a_prefix_some_requests_share_matches_sdpa(
+    ops, threads, dtype, atol
+) -> None:
+    """Requests 1, 3, 4 and 6 of 8 share their first 150 slots (`shared_requests`); the others
+    read slots of their own from the first, and attend over all of them as without a prefix."""
+    num, shared, members = 8, 150, [1, 3, 4, 6]
+    gen = torch.Generator().manual_seed(11)
+    k_pool = torch.randn(SLOTS, 3, 64, generator=gen).to(dtype)
+    v_pool = torch.randn(SLOTS, 3, 64, generator=gen).to(dtype)
+    lens = [shared + 1 + 13 * b for b in range(num)]
+    slots = torch.randperm(SLOTS - 1, generator=gen) + 1
+    indices = torch.zeros(num, max(lens), dtype=torch.int64)
+    start = shared
+    for b, n in enumerate(lens):
+        own = slots[start : start + n]
+        indices[b, :n] = own
+        start += n
+        if b in members:
+            indices[b, :shared] = slots[:shared]
+    q = torch.randn(num, 9, 64, generator=gen).to(dtype) * 3
+    seq_lens, scale = torch.tensor(lens, dtype=torch.int64), 0.125
+    group = torch.tensor(members, dtype=torch.int64)
+    out = ops.decode_attention(q, k_pool, v_pool, indices, seq_lens, scale, shared, group)
+    want = _reference(q, k_pool, v_pool, indices, lens, scale)
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
+    with pytest.raises(RuntimeError, match="request 2's first slots differ"):
+        ops.decode_attention(
+            q, k_pool, v_pool, indices, seq_lens, scale, shared, torch.tensor([1, 2])
+        )
+    for bad in ([3, 1], [1, 8], []):
+        with pytest.raises(RuntimeError, match="shared_requests"):
+            ops.decode_attention(
+                q,
+                k_pool,
+                v_pool,
+                indices,
+                seq_lens,
+                scale,
+                shared,
+                torch.tensor(bad, dtype=torch.int64),
+            )
+
+
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
 def test_decode_attention_over_a_long_shared_prefix_matches_sdpa(
     native_ops, threads, dtype, atol
 ) -> None:

@@ -69,17 +69,22 @@ def test_shared_prefix_is_the_slots_every_decoding_request_reads_alike() -> None
         rows, slots = list(range(len(positions))), torch.arange(100, 100 + len(positions))
         return ForwardBatch.decode([1] * len(positions), positions, rows, slots, r2t.numpy())
 
-    assert decode([9, 6, 7], shared=5).shared_prefix() == 5
-    assert decode([9, 6, 7], shared=9).shared_prefix() == 6  # request 1 keeps slot 6, its own
-    assert decode([9, 6, 7], shared=0).shared_prefix() == 0
-    assert decode([9], shared=5).shared_prefix() == 0  # one request
+    assert decode([9, 6, 7], shared=5).shared_prefix().slots == 5
+    assert decode([9, 6, 7], shared=9).shared_prefix().slots == 6  # request 1 keeps slot 6, its own
+    assert decode([9, 6, 7], shared=0).shared_prefix().slots == 0
+    assert decode([9], shared=5).shared_prefix().slots == 0  # one request
     fb = decode([9, 6, 7], shared=5)
     fb.kv_indices[2, 3] = 99  # a slot of its own inside: the run stops there
     fb._shared_prefix = None
-    assert fb.shared_prefix() == 3
+    assert fb.shared_prefix().slots == 3
+    fb = decode([9, 6, 7, 8], shared=5)
+    fb.kv_indices[1, 0] = 77  # request 1 on a prefix of its own: the others share theirs
+    fb._shared_prefix = None
+    assert fb.shared_prefix().slots == 5 and fb.shared_prefix().requests.tolist() == [0, 2, 3]
+    assert fb.shared_prefix().count == 3
     r2t = _pool()  # every row the same slots
     extend = ForwardBatch.build(
         ForwardMode.EXTEND, [1, 2], [4, 4], [1, 1], torch.tensor([5, 6]), r2t, [0, 1], [0, 1],
         torch.device("cpu"),
     )  # fmt: skip
-    assert extend.shared_prefix() == 0
+    assert extend.shared_prefix().slots == 0

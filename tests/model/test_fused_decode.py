@@ -42,13 +42,18 @@ def _runner(model_dir: str, dtype: torch.dtype, quantization: str) -> ModelRunne
 
 
 def _batch(
-    mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int], shared: int = 0
+    mode: ForwardMode,
+    tokens: list[list[int]],
+    prefix_lens: list[int],
+    shared: int = 0,
+    outsiders: int = 0,
 ) -> ForwardBatch:
     """Request b's tokens at positions prefix_lens[b].., in its own slots 1 + b * 32 + position;
-    the first `shared` positions of every request in request 0's slots (a prefix held once)."""
+    the first `shared` positions of every request but the last `outsiders` in request 0's slots
+    (a prefix held once)."""
     num = len(tokens)
     req_to_token = 1 + torch.arange(num * SLOTS_PER_REQ).view(num, SLOTS_PER_REQ)
-    req_to_token[:, :shared] = req_to_token[0, :shared].clone()
+    req_to_token[: num - outsiders, :shared] = req_to_token[0, :shared].clone()
     extend = [len(t) for t in tokens]
     loc = torch.cat(
         [
@@ -167,32 +172,46 @@ def test_fused_extends_give_the_per_op_logits_exactly(tiny_llama_dir, dtype, qua
     assert fused.steps == steps + len(batches)
 
 
-def test_a_shared_prefix_decode_gives_the_per_op_logits_exactly(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("outsiders", [0, 2])
+def test_a_shared_prefix_decode_gives_the_per_op_logits_exactly(
+    tiny_llama_dir, monkeypatch, outsiders
+):
     """Decoding requests whose first slots are the same (a common prompt prefix, held once)
     attend over those slots all together (`decode_attention`'s shared_prefix: bfloat16 with
     `sdpa_dense`, as CPUs with AMX have it; its results hold on any CPU), the same way in both
-    paths; close to attending over every slot request by request."""
+    paths, beside requests on prompts of their own (`outsiders`); close to attending over every
+    slot request by request."""
     runner = _runner(tiny_llama_dir, torch.bfloat16, "int4")
     backend = runner.fused_decode.attention  # shared by every layer
     backend.sdpa_dense = True
     monkeypatch.setattr(CpuKernelAttention, "SHARED_MIN_SLOTS", 8)
-    num, shared = CpuKernelAttention.SHARED_MIN_REQUESTS, 12
+    members, shared = CpuKernelAttention.SHARED_MIN_REQUESTS, 12
+    num = members + outsiders
     prefix = list(range(300, 300 + shared))
     own = [[400 + 3 * b + i for i in range(3)] for b in range(num)]
-    # request 0 computes the prefix and its own tokens, the others their own tokens after it
-    prompts = [prefix + own[0]] + own[1:]
-    runner.forward(_batch(ForwardMode.EXTEND, prompts, [0] + [shared] * (num - 1), shared))
+    # request 0 computes the prefix and its own tokens, the other members their own tokens
+    # after it, the outsiders a prompt as long of their own
+    prompts = (
+        [prefix + own[0]]
+        + own[1:members]
+        + [[500 + b] * shared + own[b] for b in range(members, num)]
+    )
+    starts = [0] + [shared] * (members - 1) + [0] * outsiders
+    runner.forward(_batch(ForwardMode.EXTEND, prompts, starts, shared, outsiders))
     lens = [shared + 3] * num
     tokens = [[7 + b] for b in range(num)]
-    fb = _batch(ForwardMode.DECODE, tokens, lens, shared)
-    assert fb.shared_prefix() == shared and backend.shared_prefix(fb, torch.bfloat16) == shared
-    assert backend.shared_prefix(fb, torch.float32) == 0
+    fb = _batch(ForwardMode.DECODE, tokens, lens, shared, outsiders)
+    sharing = fb.shared_prefix()
+    assert sharing.slots == shared
+    assert sharing.count == (None if not outsiders else members)
+    assert backend.shared_prefix(fb, torch.bfloat16) is sharing
+    assert backend.shared_prefix(fb, torch.float32).slots == 0
     steps = runner.fused_decode.steps
     with_fused, per_op = _both_ways(runner, fb)
     assert runner.fused_decode.steps == steps + 1
     assert torch.equal(with_fused, per_op)
     monkeypatch.setattr(CpuKernelAttention, "SHARED_MIN_SLOTS", 10**9)  # every slot, one by one
-    plain = runner.forward(_batch(ForwardMode.DECODE, tokens, lens, shared))
+    plain = runner.forward(_batch(ForwardMode.DECODE, tokens, lens, shared, outsiders))
     scale = plain.abs().max()
     assert (plain - per_op).abs().max() <= 0.02 * scale, (plain - per_op).abs().max() / scale
     assert plain.argmax(-1).tolist() == per_op.argmax(-1).tolist()

@@ -525,19 +525,28 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
   });
 }
 
+// A decode step's shared prefix: the first P slots that the member requests (`members`, count of
+// them, in increasing order; null: every request) all read alike. P == 0: none.
+struct SharedPrefix {
+  int64_t P = 0;
+  const int64_t* members = nullptr;
+  int64_t count = 0;
+};
+
 // Decoding requests whose first P slots are the same (cascade attention: a common system prompt,
-// which the radix cache holds once). Every request's queries attend over those P slots together,
-// B * G of them per KV head, through PyTorch's blocked CPU attention (in bfloat16 its matmuls run
-// on AMX tiles), which also gives each query's log-sum-exp; each query then attends over the rest
-// of its slots, [P, len), in attend(), and the two parts combine as flash-decoding's parts do
-// (the prefix's part normalized, weight 1 at its log-sum-exp). The prefix's part is rounded to
-// the dtype before the combination: the plain kernel's result up to rounding.
+// which the radix cache holds once). The members' queries attend over those P slots together,
+// count * G of them per KV head, through PyTorch's blocked CPU attention (in bfloat16 its matmuls
+// run on AMX tiles), which also gives each query's log-sum-exp; each member then attends over
+// the rest of its slots, [P, len), in attend(), and the two parts combine as flash-decoding's
+// parts do (the prefix's part normalized, weight 1 at its log-sum-exp). The prefix's part is
+// rounded to the dtype before the combination: the plain kernel's result up to rounding. Other
+// requests attend over all their slots in attend() alone.
 template <typename T, int C>
 void shared_prefix_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                        const at::Tensor& kv_indices, const at::Tensor& lens_t, int64_t P,
-                        at::Tensor& out, double scale) {
+                        const at::Tensor& kv_indices, const at::Tensor& lens_t,
+                        const SharedPrefix& sp, at::Tensor& out, double scale) {
   constexpr int64_t D = W * C;
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k_pool.size(1), G = H / Hkv;
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k_pool.size(1), G = H / Hkv, P = sp.P;
   const int64_t max_kv = kv_indices.size(1), row_len = Hkv * D;
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pool.data_ptr<T>();
@@ -545,22 +554,29 @@ void shared_prefix_impl(const at::Tensor& q, const at::Tensor& k_pool, const at:
   const int64_t* idx = kv_indices.data_ptr<int64_t>();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  // the prefix's K and V [1, Hkv, P, D] and the queries [1, Hkv, B * G, D], gathered
+  // member m's request, and each request's member index (-1: not a member)
+  const int64_t M = sp.members ? sp.count : B;
+  std::vector<int64_t> member_of(B, sp.members ? -1 : 0);
+  for (int64_t m = 0; m < M; ++m) member_of[sp.members ? sp.members[m] : m] = m;
+  const int64_t* prefix = idx + (sp.members ? sp.members[0] : 0) * max_kv;
+  // the prefix's K and V [1, Hkv, P, D] and the members' queries [1, Hkv, M * G, D], gathered
   at::Tensor kq = at::empty({1, Hkv, P, D}, q.options()), vq = at::empty_like(kq);
-  at::Tensor qq = at::empty({1, Hkv, B * G, D}, q.options());
+  at::Tensor qq = at::empty({1, Hkv, M * G, D}, q.options());
   T* kd = kq.data_ptr<T>();
   T* vd = vq.data_ptr<T>();
   T* qd = qq.data_ptr<T>();
   for (int64_t l = 0; l < P; ++l)
     for (int64_t kh = 0; kh < Hkv; ++kh) {
-      std::memcpy(kd + (kh * P + l) * D, kp + idx[l] * row_len + kh * D, D * sizeof(T));
-      std::memcpy(vd + (kh * P + l) * D, vp + idx[l] * row_len + kh * D, D * sizeof(T));
+      std::memcpy(kd + (kh * P + l) * D, kp + prefix[l] * row_len + kh * D, D * sizeof(T));
+      std::memcpy(vd + (kh * P + l) * D, vp + prefix[l] * row_len + kh * D, D * sizeof(T));
     }
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t b = sp.members ? sp.members[m] : m;
     for (int64_t kh = 0; kh < Hkv; ++kh)
-      std::memcpy(qd + (kh * B + b) * G * D, qp + (b * H + kh * G) * D, G * D * sizeof(T));
+      std::memcpy(qd + (kh * M + m) * G * D, qp + (b * H + kh * G) * D, G * D * sizeof(T));
+  }
   const auto [po, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
-      qq, kq, vq, 0.0, false, std::nullopt, scale);  // [1, Hkv, B * G, D], [1, Hkv, B * G]
+      qq, kq, vq, 0.0, false, std::nullopt, scale);  // [1, Hkv, M * G, D], [1, Hkv, M * G]
   TORCH_CHECK(po.scalar_type() == q.scalar_type() && po.stride(3) == 1 &&
               lse.scalar_type() == at::kFloat, "shared prefix: unexpected SDPA outputs");
   const T* pd = po.data_ptr<T>();
@@ -575,29 +591,31 @@ void shared_prefix_impl(const at::Tensor& q, const at::Tensor& k_pool, const at:
                               {max_sum.data() + 2 * QH, part_acc.data() + QH * C}};
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_query, kh0 = (task % tasks_per_query) * nkv;
-      for (int64_t h = 0; h < QH; ++h) {
-        const int64_t kh = kh0 + h / G, r = b * G + h % G;
+      const int64_t m = member_of[b], first = m >= 0 ? P : 0;  // the slots attend() takes
+      for (int64_t h = 0; m >= 0 && h < QH; ++h) {
+        const int64_t kh = kh0 + h / G, r = m * G + h % G;
         parts[0].max_sum[2 * h] = ld[kh * ls1 + r * ls2];
         parts[0].max_sum[2 * h + 1] = 1.f;
         load_row<C>(pd + kh * ps1 + r * ps2, parts[0].acc + h * C);
       }
       attend<T, C>(qp + (b * H + kh0 * G) * D, kp + kh0 * D, vp + kh0 * D,
-                   idx + b * max_kv + P, lens[b] - P, row_len, nkv, G, static_cast<float>(scale),
-                   parts[1], scores, acc, inv);
-      combine<T, C>(parts, 2, QH, op + (b * H + kh0 * G) * D);
+                   idx + b * max_kv + first, lens[b] - first, row_len, nkv, G,
+                   static_cast<float>(scale), parts[1], scores, acc, inv);
+      if (m >= 0) combine<T, C>(parts, 2, QH, op + (b * H + kh0 * G) * D);
+      else combine<T, C>(parts + 1, 1, QH, op + (b * H + kh0 * G) * D);
     }
   });
 }
 
-// shared_prefix > 0: a decode step whose requests share their first shared_prefix slots
+// shared.P > 0: a decode step whose (member) requests share their first P slots
 // (check_shared_prefix), through shared_prefix_impl
 template <typename T>
 void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& idx, const int64_t* rows, const at::Tensor& lens,
-                        at::Tensor& out, double scale, int64_t shared_prefix = 0) {
-#define SLUICE_ATTEND(DIM)                                                                \
-  if (shared_prefix > 0)                                                                  \
-    return shared_prefix_impl<T, DIM / W>(q, k, v, idx, lens, shared_prefix, out, scale); \
+                        at::Tensor& out, double scale, const SharedPrefix& shared = {}) {
+#define SLUICE_ATTEND(DIM)                                                         \
+  if (shared.P > 0)                                                                \
+    return shared_prefix_impl<T, DIM / W>(q, k, v, idx, lens, shared, out, scale); \
   return attention_impl<T, DIM / W>(q, k, v, idx, rows, lens, out, scale);
   switch (q.size(2)) {  // template argument: vectors per head
     case 16: SLUICE_ATTEND(16)
@@ -611,19 +629,37 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tens
 #undef SLUICE_ATTEND
 }
 
-// A decode step's requests (one kv_indices row and length each) all read the same first P slots
-// and each one at least one slot past them.
-void check_shared_prefix(const at::Tensor& kv_indices, const at::Tensor& lens, int64_t P) {
+// The shared prefix of a decode step's kv_indices [B, max_kv] and lens [B]: shared_prefix P
+// slots, read alike by the requests `shared_requests` names (int64, increasing, at least one;
+// None: all of them), each of which sees at least one slot past them. The view points into
+// shared_requests, which must outlive it.
+SharedPrefix check_shared_prefix(const at::Tensor& kv_indices, const at::Tensor& lens, int64_t P,
+                                 const std::optional<at::Tensor>& shared_requests) {
   TORCH_CHECK(P >= 0, "shared_prefix must be >= 0");
-  if (P == 0) return;
+  if (P == 0) return {};
   const int64_t B = kv_indices.size(0), max_kv = kv_indices.size(1);
+  SharedPrefix sp{P, nullptr, B};
+  if (shared_requests) {
+    const at::Tensor& r = *shared_requests;
+    TORCH_CHECK(r.device().is_cpu() && r.dim() == 1 && r.is_contiguous() &&
+                r.scalar_type() == at::kLong && r.size(0) >= 1,
+                "shared_requests: [N >= 1] contiguous int64 on the CPU");
+    sp.members = r.data_ptr<int64_t>();
+    sp.count = r.size(0);
+    for (int64_t m = 0; m < sp.count; ++m)
+      TORCH_CHECK(sp.members[m] >= 0 && sp.members[m] < B && (m == 0 || sp.members[m] > sp.members[m - 1]),
+                  "shared_requests: increasing request indices below ", B);
+  }
   const int64_t* idx = kv_indices.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
+  const int64_t* first = idx + (sp.members ? sp.members[0] : 0) * max_kv;
+  for (int64_t m = 0; m < sp.count; ++m) {
+    const int64_t b = sp.members ? sp.members[m] : m;
     TORCH_CHECK(lp[b] > P, "shared_prefix ", P, ": request ", b, " sees only ", lp[b], " slots");
-    TORCH_CHECK(std::equal(idx, idx + P, idx + b * max_kv), "shared_prefix ", P, ": request ", b,
-                "'s first slots differ from request 0's");
+    TORCH_CHECK(std::equal(first, first + P, idx + b * max_kv), "shared_prefix ", P,
+                ": request ", b, "'s first slots differ from the first shared request's");
   }
+  return sp;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -813,7 +849,8 @@ void check_storage(const at::Tensor& t, const char* what) {
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& kv_indices, const int64_t* rows, const at::Tensor& lens,
-                     double scale, int64_t shared_prefix = 0) {
+                     double scale, int64_t shared_prefix = 0,
+                     const std::optional<at::Tensor>& shared_requests = std::nullopt) {
   check_storage(q, "q");
   for (const at::Tensor* t : {&k_pool, &v_pool, &kv_indices, &lens})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "attention takes contiguous CPU tensors");
@@ -842,26 +879,28 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
       TORCH_CHECK(idx[b * max_kv + l] >= 0 && idx[b * max_kv + l] < S, "slot ",
                   idx[b * max_kv + l], " is outside the pool of ", S);
   TORCH_CHECK(rows == nullptr || shared_prefix == 0, "shared_prefix is for decode steps");
-  check_shared_prefix(kv_indices, lens, shared_prefix);
+  const SharedPrefix shared = check_shared_prefix(kv_indices, lens, shared_prefix, shared_requests);
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
-    attention_dispatch<float>(q, k_pool, v_pool, kv_indices, rows, lens, out, scale, shared_prefix);
+    attention_dispatch<float>(q, k_pool, v_pool, kv_indices, rows, lens, out, scale, shared);
   } else {
-    attention_dispatch<at::BFloat16>(q, k_pool, v_pool, kv_indices, rows, lens, out, scale,
-                                     shared_prefix);
+    attention_dispatch<at::BFloat16>(q, k_pool, v_pool, kv_indices, rows, lens, out, scale, shared);
   }
   return out;
 }
 
 // One query token per request: q [B, H, D]; k_pool, v_pool [S, Hkv, D] (one layer);
 // kv_indices [B, max_kv] int64; seq_lens [B] int64 (>= 1 each). Returns [B, H, D].
-// shared_prefix P > 0: every request's first P slots are the same (and each sees more than P):
-// the step goes through shared_prefix_impl.
+// shared_prefix P > 0: the first P slots of every request, or of those shared_requests names
+// (increasing indices), are the same, and each of them sees more than P: the step goes through
+// shared_prefix_impl.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& kv_indices, const at::Tensor& seq_lens, double scale,
-                            int64_t shared_prefix) {
+                            int64_t shared_prefix,
+                            const std::optional<at::Tensor>& shared_requests) {
   TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.size(0) == q.size(0), "one row per request");
-  return attention(q, k_pool, v_pool, kv_indices, nullptr, seq_lens, scale, shared_prefix);
+  return attention(q, k_pool, v_pool, kv_indices, nullptr, seq_lens, scale, shared_prefix,
+                   shared_requests);
 }
 
 // Any number of query tokens per request (prefill; the new tokens' K/V already in the pool):
@@ -1074,18 +1113,19 @@ class DecodeLayers {
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
                      const at::Tensor& out_cache_loc, const at::Tensor& kv_indices,
                      const at::Tensor& seq_lens, const std::optional<at::Tensor>& q_rows,
-                     int64_t shared_prefix) const {
+                     int64_t shared_prefix,
+                     const std::optional<at::Tensor>& shared_requests) const {
     TORCH_CHECK(linear_rows != nullptr, "DecodeLayers needs quant_ops' linear (_adopt_quant_linear)");
     TORCH_CHECK(!layers_.empty(), "DecodeLayers has no layers");
     check_step(input_ids, positions, out_cache_loc, kv_indices, seq_lens, q_rows);
     TORCH_CHECK(!q_rows || shared_prefix == 0, "shared_prefix is for decode steps");
-    check_shared_prefix(kv_indices, seq_lens, shared_prefix);
+    const SharedPrefix shared =
+        check_shared_prefix(kv_indices, seq_lens, shared_prefix, shared_requests);
     const int64_t* rows = q_rows ? q_rows->data_ptr<int64_t>() : nullptr;
     if (embed_.scalar_type() == at::kFloat)
-      return run<float>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows,
-                        shared_prefix);
+      return run<float>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows, shared);
     return run<at::BFloat16>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows,
-                             shared_prefix);
+                             shared);
   }
 
  private:
@@ -1165,7 +1205,7 @@ class DecodeLayers {
   template <typename T>
   at::Tensor run(const at::Tensor& ids, const at::Tensor& pos, const at::Tensor& loc,
                  const at::Tensor& kv_indices, const at::Tensor& lens, const int64_t* rows,
-                 int64_t shared_prefix) const {
+                 const SharedPrefix& shared) const {
     const int64_t B = ids.size(0), hidden = embed_.size(1), q_size = H_ * D_;
     const int64_t inter = layers_[0].gate_up.N / 2;
     const auto opt = embed_.options();
@@ -1190,8 +1230,7 @@ class DecodeLayers {
       for (int64_t b = 0; b < B; ++b)  // q's part of each row, as q.contiguous()
         std::memcpy(q.data_ptr<T>() + b * q_size, qkv.data_ptr<T>() + b * qkv.size(1),
                     q_size * sizeof(T));
-      attention_dispatch<T>(q, l.k_pool, l.v_pool, kv_indices, rows, lens, attn, scale_,
-                            shared_prefix);
+      attention_dispatch<T>(q, l.k_pool, l.v_pool, kv_indices, rows, lens, attn, scale_, shared);
       linear<T>(l.o, attn_rows, x);
       add_rms_norm_impl<T>(x, &residual, l.post_norm, eps_);
       linear<T>(l.gate_up, x, gate_up);
@@ -1421,7 +1460,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("attention_head_dims") = pybind11::make_tuple(16, 32, 64, 80, 96, 128);  // the switch
   m.def("decode_attention", &decode_attention, pybind11::arg("q"), pybind11::arg("k_pool"),
         pybind11::arg("v_pool"), pybind11::arg("kv_indices"), pybind11::arg("seq_lens"),
-        pybind11::arg("scale"), pybind11::arg("shared_prefix") = 0);
+        pybind11::arg("scale"), pybind11::arg("shared_prefix") = 0,
+        pybind11::arg("shared_requests") = pybind11::none());
   m.def("extend_attention", &extend_attention);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rms_norm", &rms_norm);
@@ -1456,5 +1496,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeLayers::forward, pybind11::arg("input_ids"), pybind11::arg("positions"),
            pybind11::arg("out_cache_loc"), pybind11::arg("kv_indices"), pybind11::arg("seq_lens"),
            pybind11::arg("q_rows") = pybind11::none(), pybind11::arg("shared_prefix") = 0,
+           pybind11::arg("shared_requests") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -135,8 +135,8 @@ class CpuKernelAttention:
     # 272 against 220, 8 x 512 559 against 256, 2 x 1024 549 against 190
     DENSE_MIN_QUERIES = 128
     # ... and at least SHARED_MIN_REQUESTS requests of a decode step whose first slots, at least
-    # SHARED_MIN_SLOTS of them, are the same (a common prompt prefix; the largest group with the
-    # same first slot, `ForwardBatch.shared_prefix`) attend over those slots all together,
+    # SHARED_MIN_SLOTS of them, are the same (a common prompt prefix; the largest such group,
+    # `ForwardBatch.shared_prefix`) attend over those slots all together,
     # through PyTorch's blocked attention, and over the rest request by request
     # (`decode_attention`'s shared_prefix and shared_requests; cascade attention). On the Xeon (model 167), µs a
     # layer in bfloat16, plain against shared: 32 requests over 450 shared + 40 own slots 365
@@ -191,7 +191,7 @@ class CpuKernelAttention:
             return NO_SHARED_PREFIX
         if fb.batch_size < self.SHARED_MIN_REQUESTS:
             return NO_SHARED_PREFIX
-        shared = fb.shared_prefix()
+        shared = fb.shared_prefix(self.SHARED_MIN_SLOTS)
         count = fb.batch_size if shared.count is None else shared.count
         if count < self.SHARED_MIN_REQUESTS or shared.slots < self.SHARED_MIN_SLOTS:
             return NO_SHARED_PREFIX

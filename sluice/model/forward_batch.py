@@ -54,7 +54,7 @@ class DenseSplit:
     rest_seq_lens: torch.Tensor | None  # [R] the keys each sees
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SharedPrefix:
     """A DECODE batch's first `slots` KV slots that the requests `requests` names (increasing
     indices, int64; None: every request) all read alike, each of them seeing at least one slot
@@ -98,7 +98,7 @@ class ForwardBatch:
     _dense: dict[tuple[int, torch.dtype], DenseSplit | None] = field(
         default_factory=dict, repr=False
     )
-    _shared_prefix: SharedPrefix | None = field(default=None, repr=False)
+    _shared_prefix: dict[int, SharedPrefix] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -219,14 +219,16 @@ class ForwardBatch:
             self._padded = _padded_queries(self)
         return self._padded
 
-    def shared_prefix(self) -> SharedPrefix:
-        """DECODE on the CPU: the first slots that the largest group of requests with the same
-        first slot all read alike (a common prompt prefix, which the radix cache holds once),
-        short of each one's own last slot; none for fewer than two such requests or another
-        mode. Computed at the first call and kept."""
-        if self._shared_prefix is None:
-            self._shared_prefix = _shared_prefix(self)
-        return self._shared_prefix
+    def shared_prefix(self, min_slots: int) -> SharedPrefix:
+        """DECODE on the CPU: the first slots, at least `min_slots` of them, that the largest
+        group of requests holding the same slot at position min_slots - 1 all read alike (a
+        common prompt prefix, which the radix cache holds once, a token a slot: two requests
+        with one slot there share every slot before it), short of each one's own last slot;
+        none for fewer than two such requests or another mode. Computed at the first call for
+        `min_slots` and kept."""
+        if min_slots not in self._shared_prefix:
+            self._shared_prefix[min_slots] = _shared_prefix(self, max(min_slots, 1))
+        return self._shared_prefix[min_slots]
 
     def dense_split(self, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:
         """The requests with at least `min_queries` new tokens, and the rest of the batch's
@@ -238,19 +240,22 @@ class ForwardBatch:
         return self._dense[key]
 
 
-def _shared_prefix(fb: ForwardBatch) -> SharedPrefix:
+def _shared_prefix(fb: ForwardBatch, min_slots: int) -> SharedPrefix:
     if fb.mode != ForwardMode.DECODE or fb.batch_size < 2 or fb.kv_indices.device.type != "cpu":
         return NO_SHARED_PREFIX
     kv, lens = fb.kv_indices.numpy(), fb.seq_lens.numpy()
-    values, counts = np.unique(kv[:, 0], return_counts=True)
-    members = np.flatnonzero(kv[:, 0] == values[counts.argmax()])  # increasing
-    most = int(lens[members].min()) - 1  # each request keeps at least its own new slot
-    if len(members) < 2 or most <= 0:
+    longer = np.flatnonzero(lens > min_slots)  # each request keeps at least its own new slot
+    if len(longer) < 2:
         return NO_SHARED_PREFIX
-    head = kv[members, :most]
-    same = (head == head[0]).all(axis=0)  # [most]: the column is one slot for every member
-    slots = most if same.all() else int(same.argmin())
-    if slots == 0:
+    column = kv[longer, min_slots - 1]
+    values, counts = np.unique(column, return_counts=True)
+    members = longer[column == values[counts.argmax()]]  # increasing
+    if len(members) < 2:
+        return NO_SHARED_PREFIX
+    head = kv[members, : int(lens[members].min()) - 1]
+    same = (head == head[0]).all(axis=0)  # the column is one slot for every member
+    slots = len(same) if same.all() else int(same.argmin())
+    if slots < min_slots:  # slots shared other than through the radix cache's tree
         return NO_SHARED_PREFIX
     every = len(members) == fb.batch_size
     return SharedPrefix(slots, None if every else torch.from_numpy(members.astype(np.int64)))

@@ -310,3 +310,12 @@ def test_a_decode_step_attends_over_a_shared_prefix_only_where_it_pays() -> None
     assert amx.shared_prefix(decode(most, least - 1), bf16).slots == 0  # too short a prefix
     assert amx.shared_prefix(decode(most, 300), torch.float32).slots == 0
     assert plain.shared_prefix(decode(most, 300), bf16).slots == 0  # no AMX
+    # requests on prompts of their own from position least - 1 on: the others may share theirs
+    fb = decode(most + 2, 300)
+    fb.kv_indices[most:, least - 1] = 5000 + torch.arange(2)
+    shared = amx.shared_prefix(fb, bf16)
+    assert shared.slots == 300 and shared.requests.tolist() == list(range(most))
+    fb = decode(most + 1, 300)
+    fb.kv_indices[most - 3 :, least - 1] = 5000 + torch.arange(4)
+    assert fb.shared_prefix(least).count == most - 3
+    assert amx.shared_prefix(fb, bf16).slots == 0  # too few of them

@@ -212,12 +212,14 @@ def test_decode_attention_over_a_shared_prefix_matches_sdpa(
 
 
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+@pytest.mark.parametrize(("num", "members"), [(8, [1, 3, 4, 6]), (3, [0, 2])])
 def test_decode_attention_over_a_prefix_some_requests_share_matches_sdpa(
-    ops, threads, dtype, atol
+    ops, threads, dtype, atol, num, members
 ) -> None:
-    """Requests 1, 3, 4 and 6 of 8 share their first 150 slots (`shared_requests`); the others
-    read slots of their own from the first, and attend over all of them as without a prefix."""
-    num, shared, members = 8, 150, [1, 3, 4, 6]
+    """Some requests share their first 150 slots (`shared_requests`); the others read slots of
+    their own from the first, and attend over all of them as without a prefix. Three requests
+    on two threads split their work by KV head."""
+    shared = 150
     gen = torch.Generator().manual_seed(11)
     k_pool = torch.randn(SLOTS, 3, 64, generator=gen).to(dtype)
     v_pool = torch.randn(SLOTS, 3, 64, generator=gen).to(dtype)
@@ -237,22 +239,19 @@ def test_decode_attention_over_a_prefix_some_requests_share_matches_sdpa(
     out = ops.decode_attention(q, k_pool, v_pool, indices, seq_lens, scale, shared, group)
     want = _reference(q, k_pool, v_pool, indices, lens, scale)
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
-    with pytest.raises(RuntimeError, match="request 2's first slots differ"):
-        ops.decode_attention(
-            q, k_pool, v_pool, indices, seq_lens, scale, shared, torch.tensor([1, 2])
-        )
-    for bad in ([3, 1], [1, 8], []):
+    outsider = next(b for b in range(num) if b not in members)
+    pair = torch.tensor(sorted([members[0], outsider]))
+
+    def call(shared_prefix: int, requests: torch.Tensor) -> None:
+        ops.decode_attention(q, k_pool, v_pool, indices, seq_lens, scale, shared_prefix, requests)
+
+    with pytest.raises(RuntimeError, match="first slots differ"):
+        call(shared, pair)
+    with pytest.raises(RuntimeError, match="needs a shared_prefix"):
+        call(0, group)
+    for bad in ([2, 1], [1, num], []):
         with pytest.raises(RuntimeError, match="shared_requests"):
-            ops.decode_attention(
-                q,
-                k_pool,
-                v_pool,
-                indices,
-                seq_lens,
-                scale,
-                shared,
-                torch.tensor(bad, dtype=torch.int64),
-            )
+            call(shared, torch.tensor(bad, dtype=torch.int64))
 
 
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)

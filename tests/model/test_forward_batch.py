@@ -59,9 +59,11 @@ def test_a_decode_batch_with_some_logits_rows_keeps_them() -> None:
     assert fb.logits_index.tolist() == [0, 2] and not fb.all_logits
 
 
-def test_shared_prefix_is_the_slots_every_decoding_request_reads_alike() -> None:
-    """The longest run of first slots all rows hold, short of each request's own last slot
-    (its new token's); 0 for one request and for extends."""
+def test_shared_prefix_is_the_slots_a_group_of_decoding_requests_reads_alike() -> None:
+    """The longest run of first slots that the largest group holding one slot at position
+    min_slots - 1 reads alike (with a radix cache of a token a slot, those share every slot
+    before it), short of each one's own last slot (its new token's); none for one request,
+    fewer than min_slots, and extends."""
 
     def decode(positions: list[int], shared: int) -> ForwardBatch:
         r2t = _pool() + 100 * torch.arange(4)[:, None]  # each row its own slots
@@ -69,22 +71,23 @@ def test_shared_prefix_is_the_slots_every_decoding_request_reads_alike() -> None
         rows, slots = list(range(len(positions))), torch.arange(100, 100 + len(positions))
         return ForwardBatch.decode([1] * len(positions), positions, rows, slots, r2t.numpy())
 
-    assert decode([9, 6, 7], shared=5).shared_prefix().slots == 5
-    assert decode([9, 6, 7], shared=9).shared_prefix().slots == 6  # request 1 keeps slot 6, its own
-    assert decode([9, 6, 7], shared=0).shared_prefix().slots == 0
-    assert decode([9], shared=5).shared_prefix().slots == 0  # one request
+    assert decode([9, 6, 7], shared=5).shared_prefix(3).slots == 5
+    assert decode([9, 6, 7], shared=5).shared_prefix(3).requests is None  # every request
+    assert decode([9, 6, 7], shared=9).shared_prefix(3).slots == 6  # request 1's slot 6: its own
+    assert decode([9, 6, 7], shared=0).shared_prefix(3).slots == 0
+    assert decode([9, 6, 7], shared=5).shared_prefix(6).slots == 0  # shorter than min_slots
+    assert decode([9], shared=5).shared_prefix(3).slots == 0  # one request
     fb = decode([9, 6, 7], shared=5)
-    fb.kv_indices[2, 3] = 99  # a slot of its own inside: the run stops there
-    fb._shared_prefix = None
-    assert fb.shared_prefix().slots == 3
+    fb.kv_indices[2, 4] = 99  # a slot of its own inside: the run stops there
+    assert fb.shared_prefix(3).slots == 4
     fb = decode([9, 6, 7, 8], shared=5)
-    fb.kv_indices[1, 0] = 77  # request 1 on a prefix of its own: the others share theirs
-    fb._shared_prefix = None
-    assert fb.shared_prefix().slots == 5 and fb.shared_prefix().requests.tolist() == [0, 2, 3]
-    assert fb.shared_prefix().count == 3
+    fb.kv_indices[1, 1:5] = torch.arange(77, 81)  # request 1 shares only its first token's slot
+    sharing = fb.shared_prefix(3)
+    assert sharing.slots == 5 and sharing.requests.tolist() == [0, 2, 3] and sharing.count == 3
+    assert fb.shared_prefix(3) is sharing  # kept
     r2t = _pool()  # every row the same slots
     extend = ForwardBatch.build(
         ForwardMode.EXTEND, [1, 2], [4, 4], [1, 1], torch.tensor([5, 6]), r2t, [0, 1], [0, 1],
         torch.device("cpu"),
     )  # fmt: skip
-    assert extend.shared_prefix().slots == 0
+    assert extend.shared_prefix(3).slots == 0

@@ -201,7 +201,7 @@ def test_a_shared_prefix_decode_gives_the_per_op_logits_exactly(
     lens = [shared + 3] * num
     tokens = [[7 + b] for b in range(num)]
     fb = _batch(ForwardMode.DECODE, tokens, lens, shared, outsiders)
-    sharing = fb.shared_prefix()
+    sharing = fb.shared_prefix(8)
     assert sharing.slots == shared
     assert sharing.count == (None if not outsiders else members)
     assert backend.shared_prefix(fb, torch.bfloat16) is sharing

@@ -636,6 +636,7 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tens
 SharedPrefix check_shared_prefix(const at::Tensor& kv_indices, const at::Tensor& lens, int64_t P,
                                  const std::optional<at::Tensor>& shared_requests) {
   TORCH_CHECK(P >= 0, "shared_prefix must be >= 0");
+  TORCH_CHECK(P > 0 || !shared_requests, "shared_requests needs a shared_prefix");
   if (P == 0) return {};
   const int64_t B = kv_indices.size(0), max_kv = kv_indices.size(1);
   SharedPrefix sp{P, nullptr, B};

@@ -648,7 +648,8 @@ SharedPrefix check_shared_prefix(const at::Tensor& kv_indices, const at::Tensor&
     sp.members = r.data_ptr<int64_t>();
     sp.count = r.size(0);
     for (int64_t m = 0; m < sp.count; ++m)
-      TORCH_CHECK(sp.members[m] >= 0 && sp.members[m] < B && (m == 0 || sp.members[m] > sp.members[m - 1]),
+      TORCH_CHECK(sp.members[m] >= 0 && sp.members[m] < B &&
+                      (m == 0 || sp.members[m] > sp.members[m - 1]),
                   "shared_requests: increasing request indices below ", B);
   }
   const int64_t* idx = kv_indices.data_ptr<int64_t>();

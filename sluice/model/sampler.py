@@ -43,6 +43,8 @@ _MASK64 = (1 << 64) - 1
 # the CPU's argmax over a row is an order of magnitude slower than its max: a row is searched as
 # blocks of this many logits (one max per block, then an argmax within the best block)
 ARGMAX_BLOCK = 1024
+# logits dtypes that the CPU kernels' argmax_rows and finite_rows take (bfloat16 widens exactly)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class TopK(NamedTuple):
@@ -419,8 +421,8 @@ def _greedy_with_grammar(
 
 def greedy_argmax(logits: torch.Tensor, kernels: Any | None = None) -> torch.Tensor:
     """int64 [R]: `logits.argmax(dim=-1)` of [R, V], the same index on ties (the first). With
-    sluice's CPU kernels, float32 logits take `argmax_rows` (one thread: two preempted torch
-    threads were several times slower under load). Otherwise by blocks: the first block holding
+    sluice's CPU kernels, float32 and bfloat16 logits take `argmax_rows` (one thread: two
+    preempted torch threads were several times slower under load). Otherwise by blocks: the first block holding
     a row's maximum holds its first occurrence; a last block past V reads index V - 1 again,
     after the real one, so it never wins a tie."""
     rows, vocab = logits.shape
@@ -429,7 +431,7 @@ def greedy_argmax(logits: torch.Tensor, kernels: Any | None = None) -> torch.Ten
         and rows > 0
         and vocab > 1
         and logits.device.type == "cpu"
-        and logits.dtype == torch.float32
+        and logits.dtype in KERNEL_DTYPES
     ):
         return kernels.argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())
     num_blocks = -(-vocab // ARGMAX_BLOCK)

@@ -29,9 +29,11 @@ from sluice.messages import FinishReason, TopLogprobs
 from sluice.model.forward_batch import ForwardBatch, ForwardMode, ForwardOutput
 from sluice.model.runner import ModelRunner
 from sluice.model.sampler import (
+    KERNEL_DTYPES,
     SampleOutput,
     SamplingBatchInfo,
     TopK,
+    greedy_argmax,
     is_plain_greedy,
     masked_argmax,
     sample,
@@ -175,12 +177,10 @@ def _argmax_step(plan: StepPlan, logits: torch.Tensor, kernels: Any) -> StepOutp
     if not plan.last:
         return result
     logits = _rows(logits, plan.last_rows)
-    if logits.dtype not in (torch.float32, torch.bfloat16):  # what the kernels take
+    if logits.dtype not in KERNEL_DTYPES:
         logits = logits.float()
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    finite = kernels.finite_rows(logits)
-    tokens = kernels.argmax_rows(logits).tolist()
+    finite = _finite_rows(logits, kernels)
+    tokens = greedy_argmax(logits, kernels).tolist()
     for i in sampled_rows(plan):
         if finite[i]:
             result.tokens[i] = tokens[i]
@@ -190,10 +190,10 @@ def _argmax_step(plan: StepPlan, logits: torch.Tensor, kernels: Any) -> StepOutp
 
 
 def _finite_rows(logits: torch.Tensor, kernels: Any | None) -> list[bool]:
-    """Per row of float32 logits [L, vocab]: whether all of it is finite. sluice's kernel on the
+    """Per row of logits [L, vocab] (float32; bfloat16 with the kernels): whether all of it is finite. sluice's kernel on the
     CPU; else a row's sum (finite logits do not add up to inf at logit scale): one reduction,
     not an elementwise test over [L, vocab]."""
-    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype in KERNEL_DTYPES:
         return kernels.finite_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
     return torch.isfinite(logits.sum(dim=-1)).tolist()
 

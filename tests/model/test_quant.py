@@ -343,11 +343,11 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
 
 # N = 16 (one tile), 33, 37, 70 (tiles then 1-6 GGUF rows), 5 (no tile: GGUF rows only), 600
 # (3 chunks of 4 tiles and a part, then 8 rows); K = 32 * an odd number of blocks in most; M =
-# 1..8 (one pass) and 13 (two). At one and two rows the kernel reads 4 tiles at once: 99 and
-# 600 (whole chunks of 4 tiles, then a part of one, then GGUF rows)
+# 1..8 (one pass) and 13 (two). At one and two rows the kernel reads 8 tiles at once: 307 and
+# 600 (on each of two threads whole chunks of 8 tiles, then a part of one, then GGUF rows)
 INTERLEAVED_SHAPES = [
     (1, 32, 16), (2, 96, 33), (3, 576, 192), (4, 160, 37), (5, 1536, 70), (6, 64, 5),
-    (7, 224, 48), (8, 608, 600), (13, 96, 33), (1, 96, 99), (2, 160, 600), (1, 608, 600),
+    (7, 224, 48), (8, 608, 600), (13, 96, 33), (1, 96, 307), (2, 160, 600), (1, 608, 600),
 ]  # fmt: skip
 
 
@@ -394,9 +394,9 @@ def test_interleaved_kernel_gives_the_per_row_integer_result(
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("k,n", [(96, 99), (608, 600), (160, 37)])
+@pytest.mark.parametrize("k,n", [(96, 307), (608, 600), (160, 37)])
 def test_interleaved_kernel_rows_do_not_depend_on_their_batch(interleaved_ops, qtype, k, n):
-    """Up to two rows of x the kernel reads four tiles at once; past them one: each row's
+    """Up to two rows of x the kernel reads eight tiles at once; past them one: each row's
     output is the same bits either way (the same sums in the same order), and the same as the
     row gets alone."""
     ops = interleaved_ops

@@ -821,10 +821,12 @@ inline void store16(__m512 v, at::BFloat16* p) {
 // the integer sums exact (as igemv_rows_q's; only the float additions come in another order).
 // Up to two rows of x, where the kernel waits on memory, it reads ILV_STREAMS tiles at once,
 // block by block: one sequential stream a tile left the Xeon (lscpu model 167, 2 threads) at
-// 36 GB/s on the Q8_0 LM head at one row; four streams 42, and 21 -> 28 GB/s on Q4_1's qkv
-// (two streams at four rows: no gain). igemm_interleaved hands it 4 tiles a call. Each tile's
-// sums are the same operations in the same order whatever the streams, so the output is too.
-constexpr int ILV_STREAMS = 4;
+// 36 GB/s on the Q8_0 LM head at one row; four streams 42, eight 46, and Q4_1's qkv went from
+// 21 to 26-28 (two streams at four rows: no gain). Single-stream decode, in-process: 1.10-1.12x
+// with four, eight another 0.99-1.10x. igemm_interleaved hands it ILV_STREAMS tiles a call.
+// Each tile's sums are the same operations in the same order whatever the streams, so the
+// output is too.
+constexpr int ILV_STREAMS = 8;
 
 // Record b of a tile (16 rows x 32 values) into acc[M], for M rows of x.
 template <int64_t T, int M>
@@ -1077,12 +1079,12 @@ void interleaved_tile(int rows, const QuantX& qx, int64_t m0, const uint8_t* w, 
 
 // The integer path on an interleaved weight: units of work are its whole tiles, then (one more
 // unit) the last N % 16 rows, which keep GGUF's layout and take igemv_rows. The threads split
-// contiguous ranges of units in chunks of CHUNK tiles (64 columns, as for_each_tile); past ROWS
+// contiguous ranges of units in chunks of CHUNK tiles (igemv_interleaved's streams); past ROWS
 // rows of x, each chunk's tiles pass over all the rows, ROWS at a time, while in cache.
 template <int64_t T, typename Out>
 void igemm_interleaved(const QuantX& qx, const uint8_t* w, const float* bias, Out* y, int64_t M,
                        int64_t K, int64_t N) {
-  constexpr int64_t CHUNK = 4;
+  constexpr int64_t CHUNK = ILV_STREAMS;
   const int64_t tiles = N / ILV_ROWS, units = tiles + (N % ILV_ROWS != 0);
   const int64_t tile_bytes = ILV_ROWS * (K / QK) * block_bytes(T);
   sluice::parallel_for(0, units, CHUNK, [&](int64_t u0, int64_t u1) {

@@ -841,7 +841,7 @@ inline __attribute__((always_inline)) void ilv_record(const uint8_t* rec, int64_
   // L2 prefetches, more than with L1 ones too; on the Xeon model 167 L1 and L2 prefetches at
   // one row changed nothing); into L2 up to 4 rows (without: down_proj at 2 rows 15% slower);
   // into L1 as well past that (bound by dpbusd, it stalls on loads)
-  if constexpr (M > 1) {
+  if constexpr (M > 1 || T != Q8_0) {
 #pragma GCC unroll 9
     for (int64_t line = 0; line < REC; line += 64) {
       if constexpr (M <= 4)

@@ -836,11 +836,13 @@ inline __attribute__((always_inline)) void ilv_record(const uint8_t* rec, int64_
                                                       __m512 (&acc)[M]) {
   constexpr int64_t REC = ILV_ROWS * block_bytes(T), QBYTES = T == Q8_0 ? 512 : 256;
   constexpr float MIN_PER_D = T == Q4_0 ? -8.f : -128.f;  // m = MIN_PER_D * d but for Q4_1
-  // the record's lines ahead (Zen 4, measured): none at one row of x, where the kernel is
-  // bound by memory and the hardware's prefetchers do best alone (4-20% faster than with
-  // L2 prefetches, more than with L1 ones too; on the Xeon model 167 L1 and L2 prefetches at
-  // one row changed nothing); into L2 up to 4 rows (without: down_proj at 2 rows 15% slower);
-  // into L1 as well past that (bound by dpbusd, it stalls on loads)
+  // the record's lines ahead: into L2 up to 4 rows of x (without: down_proj at 2 rows 15%
+  // slower, Zen 4), into L1 as well past that (bound by dpbusd, it stalls on loads). At one
+  // row, Q8_0's none: Zen 4 read one stream a thread 4-20% faster without (L1 ones cost
+  // more), and on the Xeon model 167 its LM head read eight streams at 46 GB/s without, 42
+  // with. But Q4_0 and Q4_1 into L2 at one row too: with eight streams on the Xeon model 167,
+  // Q4_1's qkv 26 -> 29 GB/s, o 20 -> 23, single-stream decode 1.05-1.12x (not measured on
+  // Zen 4 with eight streams).
   if constexpr (M > 1 || T != Q8_0) {
 #pragma GCC unroll 9
     for (int64_t line = 0; line < REC; line += 64) {

@@ -17,9 +17,12 @@ to its position, as `extend_attention` does. Every other batch (a dense prefill,
 attention takes, more tokens, another cache, a vision model's input embeddings) takes the per-op
 path. `max_rows` is unbounded where every linear layer keeps its
 blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs:
-DecodeLayers calls that GEMM as QuantLinear does); a float copy for many rows bounds it below
-that copy's rows: 32 on CPUs with AMX (the integer GEMM up to there, oneDNN's past), 8 for
-float32 and the K-quants (the rows the block kernel computes).
+DecodeLayers calls that GEMM as QuantLinear does); a float copy for many rows (past 32 rows on
+CPUs with AMX, past the block kernel's 8 for float32, the K-quants and CPUs without VNNI) bounds
+it at the 64 rows that copy takes through oneDNN's reordered weight (PackedLinear), whose op
+DecodeLayers calls too. Xeon lscpu model 167, bfloat16, SmolLM2-135M, in-process decode: 40
+rows 962-988 -> 1180-1206 tok/s, 48 rows 1132-1140 -> 1385-1390, 64 rows 1331-1333 ->
+1539-1596 (the per-op path before).
 SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it off in place
 (benchmarks/decode_step.py compares the two in one process).
 """
@@ -36,6 +39,7 @@ from torch import nn
 from sluice.model.attention import CpuKernelAttention
 from sluice.model.forward_batch import ForwardBatch, ForwardMode
 from sluice.model.kv_cache import KVCache
+from sluice.model.layers import PackedLinear
 from sluice.model.models.llama import LlamaModel
 from sluice.model.quant import QuantLinear
 from sluice.utils import envs
@@ -146,24 +150,29 @@ def why_not_fused(stack: LlamaModel, kv: KVCache) -> str | None:
 def _max_rows(stack: LlamaModel) -> int:
     """Rows the fused path takes: any number while every linear layer computes them with its
     blocks, or with the blocks repacked for the integer GEMM (`packed`, which DecodeLayers
-    calls too); a layer with a float copy for many rows (`dense`) bounds it below that copy's
-    rows."""
+    calls too); a layer with a float copy for many rows (`dense`) bounds it at the rows that
+    copy takes through oneDNN's reordered weight (a PackedLinear's PACKED_MAX_ROWS, which
+    DecodeLayers calls too), or below that copy's rows where it has none."""
     rows = sys.maxsize
     for layer in stack.layers:
         for name in _LINEARS:
-            module = layer.get_submodule(name)
-            if module.dense is not None:
-                rows = min(rows, module.dense_min_rows - 1)
+            dense = layer.get_submodule(name).dense
+            if isinstance(dense, PackedLinear):
+                rows = min(rows, dense.PACKED_MAX_ROWS)
+            elif dense is not None:
+                rows = min(rows, layer.get_submodule(name).dense_min_rows - 1)
     return rows
 
 
 def _block_args(
     module: QuantLinear,
-) -> tuple[torch.Tensor, int, int, bool, torch.Tensor | None, int]:
-    """DecodeLayers' view of a linear layer: its blocks (in the layout `kernel_type` names), and
-    the repacked copy it takes from `packed_min_rows` rows on (bfloat16 only, as
-    QuantLinear.forward; `_max_rows` keeps batches within `packed_max_rows`)."""
+) -> tuple[torch.Tensor, int, int, bool, torch.Tensor | None, int, torch.Tensor | None, int]:
+    """DecodeLayers' view of a linear layer: its blocks (in the layout `kernel_type` names),
+    the repacked copy it takes from `packed_min_rows` rows on (bfloat16 only), and oneDNN's
+    reordered float copy it takes from `dense_min_rows` rows on (`_max_rows` keeps batches
+    within its rows), as QuantLinear.forward does."""
+    dense = module.dense.packed if isinstance(module.dense, PackedLinear) else None
     return (
         module.qweight, module.kernel_type, module.in_features, module.int8_activations,
-        module.packed, module.packed_min_rows,
+        module.packed, module.packed_min_rows, dense, module.dense_min_rows,
     )  # fmt: skip

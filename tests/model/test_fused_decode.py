@@ -22,6 +22,7 @@ from sluice.model.forward_batch import ForwardBatch, ForwardMode
 from sluice.model.fused_decode import FusedDecode, why_not_fused
 from sluice.model.kernels import quant_ops
 from sluice.model.kv_cache import KVCache
+from sluice.model.layers import PackedLinear
 from sluice.model.quant import QuantLinear
 from sluice.model.runner import ModelRunner
 
@@ -36,9 +37,14 @@ def kernels():
         pytest.skip("the quantized-weight kernels did not build here")
 
 
-def _runner(model_dir: str, dtype: torch.dtype, quantization: str) -> ModelRunner:
+def _runner(
+    model_dir: str, dtype: torch.dtype, quantization: str, requests: int = 9
+) -> ModelRunner:
+    """A runner whose KV pool holds `requests` of `_batch`'s requests."""
     cfg = ModelConfig.from_hf_dir(model_dir)
-    return ModelRunner(cfg, CPU, dtype, kv_size=10 * SLOTS_PER_REQ, quantization=quantization)
+    return ModelRunner(
+        cfg, CPU, dtype, kv_size=(requests + 1) * SLOTS_PER_REQ, quantization=quantization
+    )
 
 
 def _batch(
@@ -103,12 +109,14 @@ def _decode_both_ways(
 def _max_rows(runner: ModelRunner) -> int:
     """The rows the fused decode should take: any number where the linear layers compute
     batches past the block kernel's rows with the integer GEMM on repacked blocks (which
-    DecodeLayers calls too), up to AMX_PACKED_MAX_ROWS where a float copy takes over past them
-    (AMX), the block kernel's 8 where a float copy takes every batch past those."""
+    DecodeLayers calls too); where a float copy takes some batches (past the block kernel's 8
+    rows, or past AMX_PACKED_MAX_ROWS on CPUs with AMX), the rows of that copy's oneDNN path,
+    which DecodeLayers calls too."""
     modules = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
-    if not all(m.packed is not None for m in modules):
-        return QuantLinear.KERNEL_MAX_ROWS
-    return sys.maxsize if all(m.dense is None for m in modules) else QuantLinear.AMX_PACKED_MAX_ROWS
+    if all(m.dense is None for m in modules):
+        return sys.maxsize
+    assert all(isinstance(m.dense, PackedLinear) for m in modules if m.dense is not None)
+    return PackedLinear.PACKED_MAX_ROWS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,16 +142,39 @@ def test_fused_decode_of_a_large_batch_gives_the_per_op_logits_exactly(
     tiny_llama_dir, quantization
 ) -> None:
     """Past the block kernel's 8 rows, where the linear layers take the integer GEMM on
-    repacked blocks (bfloat16 on AVX-512 VNNI CPUs; with AMX up to 32 rows), DecodeLayers calls
-    it too."""
+    repacked blocks (bfloat16 on AVX-512 VNNI CPUs; with AMX up to 32 rows) or a float copy
+    (elsewhere), DecodeLayers calls it too."""
     runner = _runner(tiny_llama_dir, torch.bfloat16, quantization)
-    if _max_rows(runner) < 10:
-        pytest.skip("batches past 8 rows take a float copy of the weights on this CPU")
     prompts = [[100 + 7 * b + i for i in range(1 + b % 5)] for b in range(10)]  # 10 requests
     pairs = _decode_both_ways(runner, steps=4, prompts=prompts)
     assert runner.fused_decode.steps == 5
     for with_fused, per_op in pairs:
         assert with_fused.shape == (10, per_op.shape[1])
+        assert torch.equal(with_fused, per_op)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 12), (torch.bfloat16, 40)])
+def test_fused_decode_of_a_float_copys_batch_gives_the_per_op_logits_exactly(
+    tiny_llama_dir, dtype, rows
+) -> None:
+    """A batch the linear layers give their float copy (float32 past the block kernel's 8 rows;
+    bfloat16 past AMX_PACKED_MAX_ROWS on CPUs with AMX): DecodeLayers calls oneDNN's GEMM on the
+    weight PackedLinear reordered, through the op PackedLinear calls, so the logits are the
+    per-op path's bit for bit."""
+    runner = _runner(tiny_llama_dir, dtype, "int4", requests=rows)
+    layers = [m for m in runner.model.model.modules() if isinstance(m, QuantLinear)]
+    dense = [m for m in layers if m.dense is not None and m.dense_min_rows <= rows]
+    if dtype == torch.float32:
+        assert dense == layers
+    elif not dense:
+        pytest.skip(f"bfloat16 batches of {rows} rows take the integer GEMM on this CPU (no AMX)")
+    assert all(isinstance(m.dense, PackedLinear) for m in dense)
+    assert runner.fused_decode.max_rows == PackedLinear.PACKED_MAX_ROWS >= 1.5 * rows
+    prompts = [[100 + 7 * b + i for i in range(1 + b % 2)] for b in range(rows)]
+    pairs = _decode_both_ways(runner, steps=3, prompts=prompts)
+    assert runner.fused_decode.steps == 4  # the prefill too: at most 1.5 * rows tokens
+    for with_fused, per_op in pairs:
+        assert with_fused.shape == (rows, per_op.shape[1])
         assert torch.equal(with_fused, per_op)
 
 
@@ -218,11 +249,13 @@ def test_a_shared_prefix_decode_gives_the_per_op_logits_exactly(
 
 
 def test_fused_decode_is_not_taken_where_it_must_not_be(tiny_llama_dir) -> None:
-    runner = _runner(tiny_llama_dir, torch.float32, "int4")  # a float copy past 8 rows
+    most = PackedLinear.PACKED_MAX_ROWS
+    # a float copy past 8 rows, through oneDNN's reordered weight up to `most` rows
+    runner = _runner(tiny_llama_dir, torch.float32, "int4", requests=most + 1)
     fused = runner.fused_decode
     stack = runner.model.model
-    decode = _batch(ForwardMode.DECODE, [[7]] * 9, [0] * 9)  # one row more than the kernel's
-    assert fused.max_rows == 8 and not fused.supports(decode, runner.kv)
+    decode = _batch(ForwardMode.DECODE, [[7]] * (most + 1), [0] * (most + 1))
+    assert fused.max_rows == most and not fused.supports(decode, runner.kv)
     runner.forward(decode)
     small = _batch(ForwardMode.DECODE, [[7], [8]], [0, 0])
     assert fused.supports(small, runner.kv)

@@ -9,6 +9,7 @@
 // than 8-lane ones; -DSLUICE_LANES=8 forces 8, which the tests build too). Work is split over
 // at::get_num_threads() threads by sluice::parallel_for (parallel.h).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: half the build time, for nothing used here
 #include <ATen/Parallel.h>
 
@@ -1011,7 +1012,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
 // dispatch around each of the ~10 kernels of each layer. The linear layers are GGUF blocks,
 // computed by quant_ops' kernels through the pointer that `_adopt_quant_linear` sets: the block
 // kernel, or, for bfloat16 batches of at least `packed_min_rows` rows where QuantLinear keeps
-// the blocks repacked for the integer GEMM (`packed`), that GEMM, as QuantLinear.forward picks.
+// the blocks repacked for the integer GEMM (`packed`), that GEMM; and for batches of at least
+// `dense_min_rows` rows where it keeps a float copy that oneDNN reordered (PackedLinear:
+// `dense`), oneDNN's GEMM on it through the op PackedLinear calls (mkldnn::_linear_pointwise),
+// as QuantLinear.forward picks. FusedDecode keeps batches within PackedLinear's rows.
 // ---------------------------------------------------------------------------------------------
 using LinearRowsFn = void (*)(const void* x, bool x_bf16, const uint8_t* w, int64_t type,
                               bool int8_activations, const float* bias, void* y, int64_t M,
@@ -1029,13 +1033,27 @@ struct BlockLinear {  // y [M, N] = x [M, K] w^T, w the blocks of `type`, no bia
   bool int8_activations = false;
   at::Tensor packed;  // w repacked for the integer GEMM, or undefined: never
   int64_t packed_min_rows = 0;  // bfloat16 batches of this many rows or more take `packed`
+  at::Tensor dense;   // the float copy as oneDNN reordered it, or undefined: never
+  int64_t dense_min_rows = 0;  // batches of this many rows or more take `dense` (before packed)
 };
-// w, type, K, int8, packed (or None), packed_min_rows
-using BlockLinearArgs =
-    std::tuple<at::Tensor, int64_t, int64_t, bool, std::optional<at::Tensor>, int64_t>;
+// w, type, K, int8, packed (or None), packed_min_rows, dense (or None), dense_min_rows
+using BlockLinearArgs = std::tuple<at::Tensor, int64_t, int64_t, bool, std::optional<at::Tensor>,
+                                   int64_t, std::optional<at::Tensor>, int64_t>;
+
+// y = x w^T by oneDNN, w as torch.ops.mkldnn._reorder_linear_weight made it: PackedLinear's op.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                 std::nullopt);
+}
 
 BlockLinear block_linear(const BlockLinearArgs& a, int64_t K, int64_t N, const char* what) {
-  const auto& [w, type, k, int8, packed, packed_min_rows] = a;
+  const auto& [w, type, k, int8, packed, packed_min_rows, dense, dense_min_rows] = a;
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
               w.is_contiguous(), what, ": contiguous 2-D uint8 blocks");
   TORCH_CHECK(k == K && (N < 0 || w.size(0) == N), what, ": [", w.size(0), ", ", k,
@@ -1051,6 +1069,14 @@ BlockLinear block_linear(const BlockLinearArgs& a, int64_t K, int64_t N, const c
                 "aligned), with int8 activations and packed_min_rows >= 1");
     l.packed = p;
     l.packed_min_rows = packed_min_rows;
+  }
+  if (dense) {  // QuantLinear gives the float copy the rows past the repacked blocks' own
+    TORCH_CHECK(dense->device().is_cpu() && dense_min_rows >= 1 &&
+                (!packed || dense_min_rows > packed_min_rows), what,
+                ": dense must be a CPU weight, taken from dense_min_rows >= 1 rows (past "
+                "packed_min_rows)");
+    l.dense = *dense;
+    l.dense_min_rows = dense_min_rows;
   }
   return l;
 }
@@ -1183,6 +1209,10 @@ class DecodeLayers {
   static void linear(const BlockLinear& l, const at::Tensor& x, at::Tensor& y) {
     constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
     const int64_t M = x.size(0);
+    if (l.dense.defined() && M >= l.dense_min_rows) {
+      y.copy_(onednn_linear(x, l.dense));
+      return;
+    }
     const bool packed = bf16 && l.packed.defined() && M >= l.packed_min_rows;
     linear_rows(x.data_ptr<T>(), bf16, (packed ? l.packed : l.w).data_ptr<uint8_t>(),
                 packed ? PACKED_TYPE : l.type, l.int8_activations, nullptr, y.data_ptr<T>(), M,

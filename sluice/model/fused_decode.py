@@ -15,12 +15,12 @@ log says why. Per batch it takes, over its own KV cache and up to `max_rows` tok
 arriving prompt, above all), each new token a row of its own that reads its request's slots up
 to its position, as `extend_attention` does. Every other batch (a dense prefill, which SDPA's
 attention takes, more tokens, another cache, a vision model's input embeddings) takes the per-op
-path. `max_rows` is unbounded where every linear layer keeps its
-blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs:
-DecodeLayers calls that GEMM as QuantLinear does); a float copy for many rows (past 32 rows on
-CPUs with AMX, past the block kernel's 8 for float32, the K-quants and CPUs without VNNI) bounds
-it at the 64 rows that copy takes through oneDNN's reordered weight (PackedLinear), whose op
-DecodeLayers calls too. Xeon lscpu model 167, bfloat16, SmolLM2-135M, in-process decode: 40
+path. `max_rows` is unbounded where every linear layer keeps its blocks, or the blocks
+repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs: DecodeLayers calls
+that GEMM as QuantLinear does); a float copy for many rows (past 32 rows on CPUs with AMX, past
+the block kernel's 8 for float32, the K-quants and CPUs without VNNI) bounds it at the 64 rows
+that copy takes through oneDNN's reordered weight (PackedLinear), whose op DecodeLayers calls
+too (`benchmarks/decode_step.py --batch-sizes 40,48,64`). Xeon lscpu model 167, bfloat16, SmolLM2-135M, in-process decode: 40
 rows 962-988 -> 1180-1206 tok/s, 48 rows 1132-1140 -> 1385-1390, 64 rows 1331-1333 ->
 1539-1596 (the per-op path before).
 SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it off in place

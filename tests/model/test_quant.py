@@ -342,9 +342,9 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
 
 
 # N = 16 (one tile), 33, 37, 70 (tiles then 1-6 GGUF rows), 5 (no tile: GGUF rows only), 600
-# (3 chunks of 4 tiles and a part, then 8 rows); K = 32 * an odd number of blocks in most; M =
-# 1..8 (one pass) and 13 (two). At one and two rows the kernel reads 8 tiles at once: 307 and
-# 600 (on each of two threads whole chunks of 8 tiles, then a part of one, then GGUF rows)
+# (37 tiles, then 8 rows); K = 32 * an odd number of blocks in most; M = 1..8 (one pass) and 13
+# (two). At one and two rows the kernel reads up to 8 tiles at once, a range's last ones 4, 2,
+# then 1 at once: 307 and 600 (19 and 37 tiles) take several of those on any split of threads
 INTERLEAVED_SHAPES = [
     (1, 32, 16), (2, 96, 33), (3, 576, 192), (4, 160, 37), (5, 1536, 70), (6, 64, 5),
     (7, 224, 48), (8, 608, 600), (13, 96, 33), (1, 96, 307), (2, 160, 600), (1, 608, 600),
@@ -396,19 +396,25 @@ def test_interleaved_kernel_gives_the_per_row_integer_result(
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("k,n", [(96, 307), (608, 600), (160, 37)])
 def test_interleaved_kernel_rows_do_not_depend_on_their_batch(interleaved_ops, qtype, k, n):
-    """Up to two rows of x the kernel reads eight tiles at once; past them one: each row's
-    output is the same bits either way (the same sums in the same order), and the same as the
-    row gets alone."""
+    """Up to two rows of x the kernel reads eight tiles at once (a range's last ones 4, 2, 1);
+    past them one: each row's output is the same bits either way (the same sums in the same
+    order), and the same as the row gets alone, on one thread (19 tiles: 8, 8, 2, 1) or two."""
     ops = interleaved_ops
     raw, _ = _blocks(n, k, qtype, seed=n)
     ilv, kind = ops.interleave(raw, int(qtype), k), ops.interleaved_types[int(qtype)]
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).bfloat16()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
-    for b in (bias, None):
-        five = ops.quant_linear(x, ilv, kind, b, True)
-        for m in (1, 2, 3):
-            assert torch.equal(ops.quant_linear(x[:m], ilv, kind, b, True), five[:m])
-        assert torch.equal(ops.quant_linear(x[3:], ilv, kind, b, True), five[3:])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for b in (bias, None):
+                five = ops.quant_linear(x, ilv, kind, b, True)
+                for m in (1, 2, 3):
+                    assert torch.equal(ops.quant_linear(x[:m], ilv, kind, b, True), five[:m])
+                assert torch.equal(ops.quant_linear(x[3:], ilv, kind, b, True), five[3:])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_same_up_to_float_order(

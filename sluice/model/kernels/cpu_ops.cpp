@@ -1070,11 +1070,13 @@ BlockLinear block_linear(const BlockLinearArgs& a, int64_t K, int64_t N, const c
     l.packed = p;
     l.packed_min_rows = packed_min_rows;
   }
-  if (dense) {  // QuantLinear gives the float copy the rows past the repacked blocks' own
-    TORCH_CHECK(dense->device().is_cpu() && dense_min_rows >= 1 &&
+  if (dense) {  // QuantLinear gives the float copy the rows past the repacked blocks' own;
+                // PackedLinear takes up to SMALL_LINEAR_MAX_ROWS rows by small_linear instead
+    TORCH_CHECK(dense->device().is_cpu() && dense->dim() == 2 && dense->size(0) == l.N &&
+                dense->size(1) == K && dense_min_rows > SMALL_LINEAR_MAX_ROWS &&
                 (!packed || dense_min_rows > packed_min_rows), what,
-                ": dense must be a CPU weight, taken from dense_min_rows >= 1 rows (past "
-                "packed_min_rows)");
+                ": dense must be the [N, K] CPU weight oneDNN reordered, taken from more than ",
+                SMALL_LINEAR_MAX_ROWS, " rows (and past packed_min_rows)");
     l.dense = *dense;
     l.dense_min_rows = dense_min_rows;
   }

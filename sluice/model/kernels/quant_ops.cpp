@@ -823,7 +823,8 @@ inline void store16(__m512 v, at::BFloat16* p) {
 // block by block: one sequential stream a tile left the Xeon (lscpu model 167, 2 threads) at
 // 36 GB/s on the Q8_0 LM head at one row; four streams 42, eight 46, and Q4_1's qkv went from
 // 21 to 26-28 (two streams at four rows: no gain). Single-stream decode, in-process: 1.10-1.12x
-// with four, eight another 0.99-1.10x. igemm_interleaved hands it ILV_STREAMS tiles a call.
+// with four, eight another 0.99-1.10x. A range's last tiles (a thread's share need not be a
+// multiple of ILV_STREAMS) take 4, then 2, then 1 at once.
 // Each tile's sums are the same operations in the same order whatever the streams, so the
 // output is too.
 constexpr int ILV_STREAMS = 8;
@@ -920,8 +921,8 @@ void igemv_interleaved(const QuantX& qx, int64_t m_first, const uint8_t* w, cons
         store16(_mm512_add_ps(acc[s][r], bv), y + r * N + (t + s) * ILV_ROWS);
     }
   }
-  if constexpr (S > 1)
-    if (t < t_end) igemv_interleaved<T, M, Out, 1>(qx, m_first, w, bias, y, K, N, t, t_end);
+  if constexpr (S > 1)  // the last tiles of the range: half as many streams, down to one
+    if (t < t_end) igemv_interleaved<T, M, Out, S / 2>(qx, m_first, w, bias, y, K, N, t, t_end);
 }
 #endif
 

@@ -170,8 +170,8 @@ def _argmax_only(plan: StepPlan) -> bool:
 def _argmax_step(plan: StepPlan, logits: torch.Tensor, kernels: Any) -> StepOutput:
     """`execute`'s result for an `_argmax_only` step, from its logits in the model's dtype
     (float32 or bfloat16: widening to float32 is exact, so the same tokens as `_sample`'s
-    argmax of the float32 logits, without that copy of [rows, vocab]): two passes of the CPU
-    kernels over them, the finite test and the argmax."""
+    argmax of the float32 logits, without that copy of [rows, vocab]): one pass of the CPU
+    kernels over them, the finite test and the argmax together (`greedy_rows`)."""
     n = len(plan.last)
     result = StepOutput([None] * n, [None] * n, [None] * n, [None] * n, [None] * n, [])
     if not plan.last:
@@ -179,8 +179,13 @@ def _argmax_step(plan: StepPlan, logits: torch.Tensor, kernels: Any) -> StepOutp
     logits = _rows(logits, plan.last_rows)
     if logits.dtype not in KERNEL_DTYPES:
         logits = logits.float()
-    finite = _finite_rows(logits, kernels)
-    tokens = greedy_argmax(logits, kernels).tolist()
+    if logits.device.type == "cpu" and logits.shape[1] > 0:
+        rows = kernels.greedy_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+        tokens = rows.tolist()
+        finite = [t >= 0 for t in tokens]
+    else:
+        finite = _finite_rows(logits, kernels)
+        tokens = greedy_argmax(logits, kernels).tolist()
     for i in sampled_rows(plan):
         if finite[i]:
             result.tokens[i] = tokens[i]

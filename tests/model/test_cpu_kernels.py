@@ -626,6 +626,45 @@ def test_argmax_and_finite_rows_take_bfloat16_as_its_float32_widening(ops) -> No
         ops.argmax_rows(x.half())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5, 70, 4099])
+def test_greedy_rows_is_argmax_rows_where_finite_rows_holds_else_minus_one(ops, dtype, vocab):
+    """`greedy_rows` (one pass) against `argmax_rows` and `finite_rows` (two): each row's first
+    index of its maximum where every value is finite, -1 where one is not, wherever the
+    maximum, the ties and the non-finite values fall (the vector part, the tail past the last
+    whole vector, a row shorter than one vector), on rows with a stride of their own."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(24, vocab, generator=g).to(dtype)
+    last = vocab - 1
+    x[1, 3 % vocab] = float("nan")
+    x[2, last] = float("inf")
+    x[3, vocab // 2] = float("-inf")
+    x[4, [0, last]] = 9.0  # a tie between the first and the last index
+    x[5, last] = 9.0  # the maximum alone at the end
+    x[6] = 0.0  # every value tied: index 0
+    x[7, vocab // 3] = 3e38  # finite in bfloat16 too
+    x[8, [vocab // 2, vocab // 2 + 1 if vocab > 2 else 0]] = 5.0  # neighbours tied
+    x[9].fill_(float("-inf"))
+    x[10, [last, last - 1]] = float("nan")
+    for rows in (x, x[::3]):
+        finite = ops.finite_rows(rows)
+        argmax = ops.argmax_rows(rows).tolist()
+        want = [t if ok else -1 for t, ok in zip(argmax, finite, strict=True)]
+        got = ops.greedy_rows(rows)
+        assert got.dtype == torch.int64 and got.tolist() == want
+        wide = rows.float()
+        for r, t in enumerate(want):
+            if t >= 0:
+                assert t == int(wide[r].argmax())
+    assert ops.greedy_rows(x)[:11].tolist()[1:4] == [-1, -1, -1]
+    assert ops.greedy_rows(x)[4:7].tolist() == [0, last, 0]
+    assert ops.greedy_rows(torch.zeros(0, vocab, dtype=dtype)).tolist() == []
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.greedy_rows(x.half())
+    with pytest.raises(RuntimeError, match="rows of 0 logits"):
+        ops.greedy_rows(torch.zeros(2, 0))
+
+
 def test_finite_rows_flags_each_row_with_a_nan_or_an_infinity(ops) -> None:
     """Every position of a row, in the vector part and the tail past the last whole vector
     (V = 70 is not a multiple of 8 or 16 lanes), and huge finite values that a row sum would

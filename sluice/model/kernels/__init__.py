@@ -15,8 +15,9 @@ tensors on the CPU; results equal PyTorch's up to rounding, for finite inputs. F
 grammar masks, on float32 logits and int32 bitmasks: `masked_argmax(logits, masks, rows=None)`
 and `grammar_mask_(logits, masks, rows=None)` (exact: the same tokens and values as adding
 `sluice.model.sampler.grammar_bias`); `argmax_rows(logits)` for the greedy rows (the
-first index of the maximum, as torch.argmax for logits without NaN) and `finite_rows(logits)`,
-on float32 or bfloat16 logits. `DecodeLayers`
+first index of the maximum, as torch.argmax for logits without NaN), `finite_rows(logits)`,
+and both in one pass, `greedy_rows(logits)` (the argmax, or -1 for a row with an infinity or
+NaN), on float32 or bfloat16 logits. `DecodeLayers`
 runs a llama decoder stack with GGUF block weights over a decode step in one call
 (sluice.model.fused_decode), once `quant_ops()` has handed it its linear layers.
 

@@ -1476,6 +1476,61 @@ std::vector<bool> finite_rows(const at::Tensor& logits) {
   return out;
 }
 
+// int64 [R]: per row of logits [R, V] (float32 or bfloat16), the first index of its maximum
+// (argmax_rows') where every value is finite (finite_rows'), else -1: a greedy step's two
+// passes over [R, vocab] in one, each lane keeping its first index of its maximum. One thread,
+// as argmax_rows.
+template <typename T>
+void greedy_rows_impl(const T* xp, int64_t R, int64_t V, int64_t stride, int64_t* op) {
+  constexpr int32_t EXP = 0x7f800000;
+  const int64_t full = V / W * W;
+  vi lane;
+  for (int i = 0; i < W; ++i) lane[i] = i;
+  for (int64_t r = 0; r < R; ++r) {
+    const T* x = xp + r * stride;
+    vf best = ninf_vf();
+    vi best_at = lane, at = lane, bad = {};
+    for (int64_t t = 0; t < full; t += W, at += W) {
+      const vf v = load(x + t);  // bfloat16 widened: the same exponent bits, the same order
+      vi bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      bad |= (bits & EXP) == EXP;
+      const vi more = v > best;
+      best = more ? v : best;
+      best_at = more ? at : best_at;
+    }
+    bool ok = true;
+    float b = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < W; ++i) {
+      ok &= bad[i] == 0;
+      b = std::max(b, best[i]);
+    }
+    int64_t arg = V;
+    for (int i = 0; i < W && full > 0; ++i)
+      if (best[i] == b) arg = std::min<int64_t>(arg, best_at[i]);
+    for (int64_t t = full; t < V; ++t) {  // past every lane's index: only a greater value wins
+      const float v = to_float(x[t]);
+      ok &= std::isfinite(v);
+      if (v > b || arg == V) {
+        b = v;
+        arg = t;
+      }
+    }
+    op[r] = ok ? arg : -1;
+  }
+}
+
+at::Tensor greedy_rows(const at::Tensor& logits) {
+  check_logits(logits, "greedy_rows");
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(V > 0, "greedy_rows: rows of 0 logits have no argmax");
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  if (logits.scalar_type() == at::kFloat) greedy_rows_impl(logits.data_ptr<float>(), R, V, stride, op);
+  else greedy_rows_impl(logits.data_ptr<at::BFloat16>(), R, V, stride, op);
+  return out;
+}
+
 // -inf, in place, on the tokens each mask row does not allow in its logits row
 void grammar_mask_(at::Tensor& logits, const at::Tensor& masks,
                    const std::optional<at::Tensor>& rows) {
@@ -1506,6 +1561,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, pybind11::arg("logits"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("finite_rows", &finite_rows, pybind11::arg("logits"));
+  m.def("greedy_rows", &greedy_rows, pybind11::arg("logits"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("grammar_mask_", &grammar_mask_, pybind11::arg("logits"), pybind11::arg("masks"),
         pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("small_linear_max_rows") = SMALL_LINEAR_MAX_ROWS;

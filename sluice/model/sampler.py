@@ -43,7 +43,8 @@ _MASK64 = (1 << 64) - 1
 # the CPU's argmax over a row is an order of magnitude slower than its max: a row is searched as
 # blocks of this many logits (one max per block, then an argmax within the best block)
 ARGMAX_BLOCK = 1024
-# logits dtypes that the CPU kernels' argmax_rows and finite_rows take (bfloat16 widens exactly)
+# logits dtypes that the CPU kernels' argmax_rows, finite_rows and greedy_rows take (bfloat16
+# widens exactly)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -33,7 +33,6 @@ from sluice.model.sampler import (
     SampleOutput,
     SamplingBatchInfo,
     TopK,
-    greedy_argmax,
     is_plain_greedy,
     masked_argmax,
     sample,
@@ -179,15 +178,11 @@ def _argmax_step(plan: StepPlan, logits: torch.Tensor, kernels: Any) -> StepOutp
     logits = _rows(logits, plan.last_rows)
     if logits.dtype not in KERNEL_DTYPES:
         logits = logits.float()
-    if logits.device.type == "cpu" and logits.shape[1] > 0:
-        rows = kernels.greedy_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
-        tokens = rows.tolist()
-        finite = [t >= 0 for t in tokens]
-    else:
-        finite = _finite_rows(logits, kernels)
-        tokens = greedy_argmax(logits, kernels).tolist()
+    tokens = kernels.greedy_rows(
+        logits if logits.stride(-1) == 1 else logits.contiguous()
+    ).tolist()  # -1: a row with an infinity or NaN
     for i in sampled_rows(plan):
-        if finite[i]:
+        if tokens[i] >= 0:
             result.tokens[i] = tokens[i]
         else:
             result.errors[i] = NON_FINITE

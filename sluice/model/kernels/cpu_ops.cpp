@@ -1431,15 +1431,30 @@ void check_logits(const at::Tensor& logits, const char* what) {
               what, ": logits must be 2-D float32 or bfloat16 with contiguous rows");
 }
 
-at::Tensor argmax_rows(const at::Tensor& logits) {
-  check_logits(logits, "argmax_rows");
+// int64 [R]: one index per row of logits [R, V] (float32 or bfloat16, checked as `what`), by
+// impl<float> or impl<BFloat16>(rows, R, V, row stride, out).
+template <template <typename> class Impl>
+at::Tensor index_per_row(const at::Tensor& logits, const char* what) {
+  check_logits(logits, what);
   const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
-  TORCH_CHECK(V > 0, "argmax_rows: rows of 0 logits have no argmax");
+  TORCH_CHECK(V > 0, what, ": rows of 0 logits have no argmax");
+  TORCH_CHECK(V < INT32_MAX - 64, what, ": rows of ", V, " logits are too long");  // int32 lanes
   auto out = at::empty({R}, logits.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  if (logits.scalar_type() == at::kFloat) argmax_rows_impl(logits.data_ptr<float>(), R, V, stride, op);
-  else argmax_rows_impl(logits.data_ptr<at::BFloat16>(), R, V, stride, op);
+  if (logits.scalar_type() == at::kFloat) Impl<float>::run(logits.data_ptr<float>(), R, V, stride, op);
+  else Impl<at::BFloat16>::run(logits.data_ptr<at::BFloat16>(), R, V, stride, op);
   return out;
+}
+
+template <typename T>
+struct ArgmaxRows {
+  static void run(const T* x, int64_t R, int64_t V, int64_t s, int64_t* o) {
+    argmax_rows_impl(x, R, V, s, o);
+  }
+};
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  return index_per_row<ArgmaxRows>(logits, "argmax_rows");
 }
 
 // Per row of logits [R, V] (float32 or bfloat16): whether all its values are finite, by their
@@ -1520,15 +1535,15 @@ void greedy_rows_impl(const T* xp, int64_t R, int64_t V, int64_t stride, int64_t
   }
 }
 
+template <typename T>
+struct GreedyRows {
+  static void run(const T* x, int64_t R, int64_t V, int64_t s, int64_t* o) {
+    greedy_rows_impl(x, R, V, s, o);
+  }
+};
+
 at::Tensor greedy_rows(const at::Tensor& logits) {
-  check_logits(logits, "greedy_rows");
-  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
-  TORCH_CHECK(V > 0, "greedy_rows: rows of 0 logits have no argmax");
-  auto out = at::empty({R}, logits.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
-  if (logits.scalar_type() == at::kFloat) greedy_rows_impl(logits.data_ptr<float>(), R, V, stride, op);
-  else greedy_rows_impl(logits.data_ptr<at::BFloat16>(), R, V, stride, op);
-  return out;
+  return index_per_row<GreedyRows>(logits, "greedy_rows");
 }
 
 // -inf, in place, on the tokens each mask row does not allow in its logits row

@@ -1432,8 +1432,9 @@ void check_logits(const at::Tensor& logits, const char* what) {
 }
 
 // int64 [R]: one index per row of logits [R, V] (float32 or bfloat16, checked as `what`), by
-// impl<float> or impl<BFloat16>(rows, R, V, row stride, out).
-template <template <typename> class Impl>
+// F (float32) or B (bfloat16): (rows, R, V, row stride, out).
+template <void (*F)(const float*, int64_t, int64_t, int64_t, int64_t*),
+          void (*B)(const at::BFloat16*, int64_t, int64_t, int64_t, int64_t*)>
 at::Tensor index_per_row(const at::Tensor& logits, const char* what) {
   check_logits(logits, what);
   const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
@@ -1441,20 +1442,14 @@ at::Tensor index_per_row(const at::Tensor& logits, const char* what) {
   TORCH_CHECK(V < INT32_MAX - 64, what, ": rows of ", V, " logits are too long");  // int32 lanes
   auto out = at::empty({R}, logits.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  if (logits.scalar_type() == at::kFloat) Impl<float>::run(logits.data_ptr<float>(), R, V, stride, op);
-  else Impl<at::BFloat16>::run(logits.data_ptr<at::BFloat16>(), R, V, stride, op);
+  if (logits.scalar_type() == at::kFloat) F(logits.data_ptr<float>(), R, V, stride, op);
+  else B(logits.data_ptr<at::BFloat16>(), R, V, stride, op);
   return out;
 }
 
-template <typename T>
-struct ArgmaxRows {
-  static void run(const T* x, int64_t R, int64_t V, int64_t s, int64_t* o) {
-    argmax_rows_impl(x, R, V, s, o);
-  }
-};
-
 at::Tensor argmax_rows(const at::Tensor& logits) {
-  return index_per_row<ArgmaxRows>(logits, "argmax_rows");
+  return index_per_row<argmax_rows_impl<float>, argmax_rows_impl<at::BFloat16>>(logits,
+                                                                                "argmax_rows");
 }
 
 // Per row of logits [R, V] (float32 or bfloat16): whether all its values are finite, by their
@@ -1535,15 +1530,9 @@ void greedy_rows_impl(const T* xp, int64_t R, int64_t V, int64_t stride, int64_t
   }
 }
 
-template <typename T>
-struct GreedyRows {
-  static void run(const T* x, int64_t R, int64_t V, int64_t s, int64_t* o) {
-    greedy_rows_impl(x, R, V, s, o);
-  }
-};
-
 at::Tensor greedy_rows(const at::Tensor& logits) {
-  return index_per_row<GreedyRows>(logits, "greedy_rows");
+  return index_per_row<greedy_rows_impl<float>, greedy_rows_impl<at::BFloat16>>(logits,
+                                                                                "greedy_rows");
 }
 
 // -inf, in place, on the tokens each mask row does not allow in its logits row

@@ -156,11 +156,11 @@ def _max_rows(stack: LlamaModel) -> int:
     rows = sys.maxsize
     for layer in stack.layers:
         for name in _LINEARS:
-            dense = layer.get_submodule(name).dense
-            if isinstance(dense, PackedLinear):
-                rows = min(rows, dense.PACKED_MAX_ROWS)
-            elif dense is not None:
-                rows = min(rows, layer.get_submodule(name).dense_min_rows - 1)
+            module = layer.get_submodule(name)
+            if isinstance(module.dense, PackedLinear):
+                rows = min(rows, module.dense.PACKED_MAX_ROWS)
+            elif module.dense is not None:
+                rows = min(rows, module.dense_min_rows - 1)
     return rows
 
 

@@ -822,7 +822,7 @@ inline void store16(__m512 v, at::BFloat16* p) {
 // Up to two rows of x, where the kernel waits on memory, it reads ILV_STREAMS tiles at once,
 // block by block: one sequential stream a tile left the Xeon (lscpu model 167, 2 threads) at
 // 36 GB/s on the Q8_0 LM head at one row; four streams 42, eight 46, and Q4_1's qkv went from
-// 21 to 26-28 (two streams at four rows: no gain). Single-stream decode, in-process: 1.10-1.12x
+// 21 to 26-28 (two streams at four rows: no gain). Single-stream decode, in-process: 1.09-1.12x
 // with four, eight another 0.99-1.10x. A range's last tiles (a thread's share need not be a
 // multiple of ILV_STREAMS) take 4, then 2, then 1 at once.
 // Each tile's sums are the same operations in the same order whatever the streams, so the

@@ -10,9 +10,11 @@ trials of a round get the same prompts, each after the machine is 90% idle again
 (`wait_quiet`). Printed per configuration: the median output tok/s
 (completion tokens / the trial's wall time) and the paired ratio to the first configuration's
 trial of the same round (median, min, max): the figure to read, since drift falls on both
-members of a pair alike. An idle server sleeps (its scheduler blocks on its sockets once its
-OpenMP threads have stopped spinning), so the servers do not slow each other down; with OpenMP's
-ACTIVE wait policy its threads spin for ever, so such a configuration is refused.
+members of a pair alike. While one member runs its trial, the others are stopped (SIGSTOP,
+then SIGCONT; `--keep-others-running` leaves them be): an idle sluice sleeps (its scheduler
+blocks on its sockets once its OpenMP threads have stopped spinning), but an idle vLLM does not
+(`others_stopped`). With OpenMP's ACTIVE wait policy a sluice's threads spin for ever, so such a
+configuration is refused.
 
     .venv/bin/python benchmarks/ab_servers.py --config "omp" \\
         --config "pool:SLUICE_KERNEL_POOL=1" [--config "label:ENV=V,ENV2=W:--flag value"] \\
@@ -46,7 +48,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -204,6 +207,34 @@ def wait_quiet(idle_share: float = QUIET_IDLE, window_s: float = 0.1, max_s: flo
     return time.monotonic() - start
 
 
+def _signal_member(member: ServerProcess | EngineMember, sig: int) -> None:
+    """`sig` to a member's processes: a server's whole process group (its own session), the
+    Engine worker's one process."""
+    if member.proc is None or member.proc.poll() is not None:
+        return
+    if isinstance(member, ServerProcess):
+        os.killpg(member.proc.pid, sig)
+    else:
+        os.kill(member.proc.pid, sig)
+
+
+@contextmanager
+def others_stopped(members: Iterable[ServerProcess | EngineMember]) -> Iterator[None]:
+    """The other members stopped (SIGSTOP) while one runs its trial, continued (SIGCONT) after,
+    on an error too. An idle server is not always idle: vLLM's CPU backend, between requests,
+    still switches threads in about 1300 times a second (its 13 `gloo_tcp_loop` threads, each
+    every 10 ms), and on 2 cores each of those takes a core from the member under trial."""
+    stopped: list[ServerProcess | EngineMember] = []
+    try:
+        for member in members:
+            _signal_member(member, signal.SIGSTOP)
+            stopped.append(member)
+        yield
+    finally:
+        for member in stopped:
+            _signal_member(member, signal.SIGCONT)
+
+
 def run_trial(base_url: str, wl: Workload, prompts: list) -> float:
     stats, errors, elapsed = run_loop(_drive(base_url, prompts, wl, len(prompts)))
     if errors:
@@ -236,6 +267,10 @@ def main() -> None:
     ap.add_argument(
         "--engine", action="store_true",
         help="this checkout's in-process Engine as one more member of every round",
+    )  # fmt: skip
+    ap.add_argument(
+        "--keep-others-running", action="store_true",
+        help="leave the other members running during a trial (by default they are stopped)",
     )  # fmt: skip
     ap.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
@@ -313,12 +348,16 @@ def main() -> None:
             for r in range(args.rounds):
                 prompts = make_prompts(tokenizer, wl, clients, seed=args.seed + 1000 * w + r)
                 for label in order_for_round(labels, r):
-                    wait_quiet()
                     member = servers[label]
-                    if isinstance(member, EngineMember):
-                        results[label].append(member.trial(prompts, wl.output_len))
-                    else:
-                        results[label].append(run_trial(member.base_url, wl, prompts))
+                    others = [] if args.keep_others_running else [
+                        m for other, m in servers.items() if other != label
+                    ]  # fmt: skip
+                    with others_stopped(others):
+                        wait_quiet()
+                        if isinstance(member, EngineMember):
+                            results[label].append(member.trial(prompts, wl.output_len))
+                        else:
+                            results[label].append(run_trial(member.base_url, wl, prompts))
             print(f"\n== {wl.name}: {wl.describe()}, {clients} clients a trial ==")
             for label, ratios in trial_ratios(results, labels[0]).items():
                 values = results[label]

@@ -13,10 +13,19 @@ Two layers of holding back, each releasing text only once it is final:
 Guarantee: for a tokenizer whose decode of a longer id list extends the decode of a shorter one
 at character boundaries (byte-level BPE, SentencePiece), the increments concatenated equal the
 text of one `add` with all ids and the same finish, however the ids are split into chunks.
+
+Byte-level BPE (GPT-2's decoder, used by SmolLM2, Llama 3, Qwen2) needs no window: its text is
+the UTF-8 decoding (errors replaced) of its ids' bytes laid end to end. For such a tokenizer
+`byte_level_pieces` gives each id's bytes once, and an `add` joins the new ids' bytes and runs
+them through an incremental UTF-8 decoder, which holds back an incomplete last character by
+itself: no call into the tokenizer per token.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +71,56 @@ def make_decode_fn(
     return decode
 
 
+def byte_level_pieces(tokenizer: Any, skip_special_tokens: bool) -> list[bytes] | None:
+    """The bytes of each id of a byte-level BPE tokenizer, such that `tokenizer.decode(ids,
+    skip_special_tokens=...)` is `b"".join(pieces[i] for i in ids)` decoded as UTF-8 with errors
+    replaced (b"" for a skipped special token). None for any other tokenizer (SentencePiece's
+    "▁" spaces and byte fallback, WordPiece's "##", a decoder sequence, a slow tokenizer, a
+    clean-up of spaces) and should the check fail: every id's piece against the tokenizer's own
+    decode of that id, and random runs of ids (invalid UTF-8 across pieces included)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not _is_plain_fast(tokenizer):
+        return None
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        return None
+    to_byte = {c: b for b, c in _byte_level_chars().items()}
+    size = backend.get_vocab_size(with_added_tokens=True)
+    skipped = set()
+    if skip_special_tokens:
+        skipped = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    pieces = []
+    for i in range(size):
+        token = backend.id_to_token(i)
+        if token is None or i in skipped:
+            pieces.append(b"")
+        elif all(c in to_byte for c in token):
+            pieces.append(bytes(to_byte[c] for c in token))
+        else:  # as the decoder does with a token it cannot map (an added token's own text)
+            pieces.append(token.encode())
+    singles = backend.decode_batch([[i] for i in range(size)], skip_special_tokens)
+    if any(p.decode("utf-8", "replace") != t for p, t in zip(pieces, singles, strict=True)):
+        return None
+    rng = random.Random(0)
+    runs = [[rng.randrange(size) for _ in range(rng.randint(2, 16))] for _ in range(500)]
+    texts = backend.decode_batch(runs, skip_special_tokens)
+    for run, text in zip(runs, texts, strict=True):
+        if b"".join(pieces[i] for i in run).decode("utf-8", "replace") != text:
+            return None
+    return pieces
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """Byte-level BPE's alphabet: each byte's character in its tokens. The printable bytes of
+    Latin-1 (but the space) stand for themselves; the other 68 take the characters from U+0100
+    on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(0x100 + n)
+    return chars
+
+
 def _is_plain_fast(tokenizer: Any) -> bool:
     from transformers import PreTrainedTokenizerFast
 
@@ -90,7 +149,12 @@ class IncrementalDetokenizer:
         stop_strings: Sequence[str] = (),
         no_stop_trim: bool = False,
         decode_fn: DecodeFn | None = None,
+        pieces: list[bytes] | None = None,
     ) -> None:
+        """`pieces`: `byte_level_pieces(tokenizer, skip_special_tokens)`, to decode bytes
+        instead of windows of ids (None: windows, through `decode_fn` or the tokenizer)."""
+        self._pieces = pieces
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if pieces else None
         self._decode = decode_fn or make_decode_fn(
             tokenizer, skip_special_tokens, spaces_between_special_tokens
         )
@@ -140,6 +204,8 @@ class IncrementalDetokenizer:
 
     def _decode_step(self, end: int, is_final: bool) -> str:
         """Decodes `ids[read:end]`; returns the part of it whose text is final."""
+        if self._utf8 is not None:
+            return self._decode_bytes(end, is_final)
         if end <= self._read:
             return ""
         full = self._decode(self.output_ids[self._surr : end])
@@ -152,6 +218,18 @@ class IncrementalDetokenizer:
         if self._read < end - _MAX_HELD_LEN:  # never resolves: ids without text
             new_text += self._advance(self._decode(self.output_ids[self._surr : end]), end)
         return new_text
+
+    def _decode_bytes(self, end: int, is_final: bool) -> str:
+        """`_decode_step` for byte-level pieces: an incomplete last character stays in the
+        UTF-8 decoder until the ids that complete it (or the finish: U+FFFD) come."""
+        new_ids = self.output_ids[self._read : end]
+        self._read = max(self._read, end)
+        pieces = self._pieces
+        try:
+            data = b"".join([pieces[i] for i in new_ids])
+        except IndexError:  # an id past the tokenizer's vocabulary decodes to nothing
+            data = b"".join([pieces[i] if 0 <= i < len(pieces) else b"" for i in new_ids])
+        return self._utf8.decode(data, is_final)
 
     def _advance(self, window_text: str, read: int) -> str:
         """Moves the read offset to `read`; `window_text` is the final decode of ids[surr:read]."""

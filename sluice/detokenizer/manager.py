@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.detokenizer.incremental import DecodeFn, IncrementalDetokenizer, make_decode_fn
+from sluice.detokenizer.incremental import (
+    DecodeFn,
+    IncrementalDetokenizer,
+    byte_level_pieces,
+    make_decode_fn,
+)
 from sluice.messages import BatchStrOutput, BatchTokenIDOutput
 
 
@@ -15,13 +20,21 @@ class DetokenizerManager:
     dropped on its finishing update or on `abort`, so a finished request leaves no state here.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(
+        self, tokenizer: Any, pieces: dict[bool, list[bytes] | None] | None = None
+    ) -> None:
+        """`pieces`: `byte_level_pieces` of the tokenizer by skip_special_tokens, made ahead
+        (the process makes both at start-up: about 0.3 s each for a 49k vocabulary); what is
+        not given is made on first use."""
         self._tokenizer = tokenizer
         # by (owner, rid): two HTTP workers' requests may share a client's rid (the scheduler
         # refuses the second; its refusal must not end the first's state)
         self._states: dict[tuple[str, str], IncrementalDetokenizer] = {}
         # one decode function per (skip_special_tokens, spaces_between_special_tokens)
         self._decode_fns: dict[tuple[bool, bool], DecodeFn] = {}
+        # each id's bytes per skip_special_tokens, where the tokenizer is byte-level BPE (else
+        # None: windows of ids through the decode function), made on first use
+        self._pieces: dict[bool, list[bytes] | None] = dict(pieces or {})
 
     def handle(self, out: BatchTokenIDOutput) -> BatchStrOutput:
         """Detokenizes one update; every field but the texts passes through unchanged."""
@@ -61,11 +74,15 @@ class DetokenizerManager:
         if decode_fn is None:
             decode_fn = make_decode_fn(self._tokenizer, *flags)
             self._decode_fns[flags] = decode_fn
+        skip = flags[0]
+        if skip not in self._pieces:
+            self._pieces[skip] = byte_level_pieces(self._tokenizer, skip)
         state = IncrementalDetokenizer(
             self._tokenizer,
             stop_strings=out.stop_strings[i],
             no_stop_trim=out.no_stop_trim[i],
             decode_fn=decode_fn,
+            pieces=self._pieces[skip],
         )
         self._states[key] = state
         return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.detokenizer.incremental import byte_level_pieces
 from sluice.detokenizer.manager import DetokenizerManager
 from sluice.messages import BatchTokenIDOutput, FinishReason, TopLogprobs
 
@@ -55,6 +56,24 @@ def test_interleaved_requests_and_state_freed_on_finish(tokenizer):
     texts = run_interleaved(manager, streams)
     assert texts == {"a": "Hello 世界 🎉 and more text", "b": "สวัสดี"}
     assert manager.num_states() == 0
+
+
+def test_states_on_byte_level_pieces_and_on_windows_give_the_same_texts(tokenizer):
+    """The process hands the manager the tokenizer's byte-level pieces (both ways of skipping
+    special tokens); without them its states decode windows of ids. A request that keeps its
+    special tokens and one that skips them, interleaved: the same texts either way."""
+    pieces = {skip: byte_level_pieces(tokenizer, skip) for skip in (True, False)}
+    assert all(p is not None for p in pieces.values())
+    streams = {
+        "a": tokenizer.encode("<|im_start|>Hi 🎉 there<|im_end|>", add_special_tokens=False),
+        "b": tokenizer.encode("<|im_start|>สวัสดี 世界<|im_end|>", add_special_tokens=False),
+    }
+    kw = {"b": {"skip": False}}
+    fast = run_interleaved(DetokenizerManager(tokenizer, pieces), streams, **kw)
+    windows = run_interleaved(
+        DetokenizerManager(tokenizer, {True: None, False: None}), streams, **kw
+    )
+    assert fast == windows == {"a": "Hi 🎉 there", "b": "<|im_start|>สวัสดี 世界<|im_end|>"}
 
 
 def test_state_lives_until_finish_or_abort(tokenizer):

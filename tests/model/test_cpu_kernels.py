@@ -646,6 +646,9 @@ def test_greedy_rows_is_argmax_rows_where_finite_rows_holds_else_minus_one(ops, 
     x[8, [vocab // 2, vocab // 2 + 1 if vocab > 2 else 0]] = 5.0  # neighbours tied
     x[9].fill_(float("-inf"))
     x[10, [last, last - 1]] = float("nan")
+    if vocab > 40:  # ties across the kernel's two chains of alternate vectors, at 8 or 16 lanes
+        x[11, [19, 35]] = 9.0
+        x[12, [11, 19]] = 9.0
     for rows in (x, x[::3]):
         finite = ops.finite_rows(rows)
         argmax = ops.argmax_rows(rows).tolist()
@@ -658,6 +661,8 @@ def test_greedy_rows_is_argmax_rows_where_finite_rows_holds_else_minus_one(ops, 
                 assert t == int(wide[r].argmax())
     assert ops.greedy_rows(x)[:11].tolist()[1:4] == [-1, -1, -1]
     assert ops.greedy_rows(x)[4:7].tolist() == [0, last, 0]
+    if vocab > 40:
+        assert ops.greedy_rows(x)[11:13].tolist() == [19, 11]
     assert ops.greedy_rows(torch.zeros(0, vocab, dtype=dtype)).tolist() == []
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.greedy_rows(x.half())

@@ -1496,38 +1496,60 @@ void greedy_rows_impl(const T* xp, int64_t R, int64_t V, int64_t stride, int64_t
   const int64_t full = V / W * W;
   vi lane;
   for (int i = 0; i < W; ++i) lane[i] = i;
-  for (int64_t r = 0; r < R; ++r) {
-    const T* x = xp + r * stride;
-    vf best = ninf_vf();
-    vi best_at = lane, at = lane, bad = {};
-    for (int64_t t = 0; t < full; t += W, at += W) {
-      const vf v = load(x + t);  // bfloat16 widened: the same exponent bits, the same order
-      vi bits;
-      std::memcpy(&bits, &v, sizeof bits);
-      bad |= (bits & EXP) == EXP;
-      const vi more = v > best;
-      best = more ? v : best;
-      best_at = more ? at : best_at;
-    }
-    bool ok = true;
-    float b = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < W; ++i) {
-      ok &= bad[i] == 0;
-      b = std::max(b, best[i]);
-    }
-    int64_t arg = V;
-    for (int i = 0; i < W && full > 0; ++i)
-      if (best[i] == b) arg = std::min<int64_t>(arg, best_at[i]);
-    for (int64_t t = full; t < V; ++t) {  // past every lane's index: only a greater value wins
-      const float v = to_float(x[t]);
-      ok &= std::isfinite(v);
-      if (v > b || arg == V) {
-        b = v;
-        arg = t;
+  // rows split over the threads from 8 rows on (a decode step's batch); in a row, two chains of
+  // compare-and-select over alternate vectors, so that each waits on its own last select only
+  sluice::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* x = xp + r * stride;
+      vf best = ninf_vf(), best2 = ninf_vf();
+      vi best_at = lane, best_at2 = lane + W, at = lane, bad = {};
+      int64_t t = 0;
+      for (; t + 2 * W <= full; t += 2 * W, at += 2 * W) {
+        const vf v = load(x + t);  // bfloat16 widened: the same exponent bits, the same order
+        const vf v2 = load(x + t + W);
+        vi bits, bits2;
+        std::memcpy(&bits, &v, sizeof bits);
+        std::memcpy(&bits2, &v2, sizeof bits2);
+        bad |= ((bits & EXP) == EXP) | ((bits2 & EXP) == EXP);
+        const vi more = v > best, more2 = v2 > best2;
+        best = more ? v : best;
+        best_at = more ? at : best_at;
+        best2 = more2 ? v2 : best2;
+        best_at2 = more2 ? at + W : best_at2;
       }
+      for (; t < full; t += W, at += W) {
+        const vf v = load(x + t);
+        vi bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        bad |= (bits & EXP) == EXP;
+        const vi more = v > best;
+        best = more ? v : best;
+        best_at = more ? at : best_at;
+      }
+      // each lane's first index of its largest value over both chains
+      const vi second = (best2 > best) | ((best2 == best) & (best_at2 < best_at));
+      best = second ? best2 : best;
+      best_at = second ? best_at2 : best_at;
+      bool ok = true;
+      float b = -std::numeric_limits<float>::infinity();
+      for (int i = 0; i < W; ++i) {
+        ok &= bad[i] == 0;
+        b = std::max(b, best[i]);
+      }
+      int64_t arg = V;
+      for (int i = 0; i < W && full > 0; ++i)
+        if (best[i] == b) arg = std::min<int64_t>(arg, best_at[i]);
+      for (int64_t u = full; u < V; ++u) {  // past every lane's index: only a greater value wins
+        const float v = to_float(x[u]);
+        ok &= std::isfinite(v);
+        if (v > b || arg == V) {
+          b = v;
+          arg = u;
+        }
+      }
+      op[r] = ok ? arg : -1;
     }
-    op[r] = ok ? arg : -1;
-  }
+  });
 }
 
 at::Tensor greedy_rows(const at::Tensor& logits) {

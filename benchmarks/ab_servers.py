@@ -40,6 +40,7 @@ Engine by pairs: issue 14's server / Engine ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -49,7 +50,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -91,7 +91,9 @@ class EngineMember:
     def __enter__(self) -> EngineMember:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--engine-worker"]
         print(f"starting {ENGINE}: {shlex.join(cmd)}", flush=True)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+        )  # its own session: a terminal's Ctrl-C or Ctrl-Z reaches the benchmark, not it
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             raise RuntimeError(f"{ENGINE} did not start (exit {self.proc.poll()}): {line!r}")
@@ -113,7 +115,11 @@ class EngineMember:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def serve_trials(engine: Any, lines: Iterable[str], out: TextIO) -> None:
@@ -212,13 +218,14 @@ def _signal_member(member: ServerProcess | EngineMember, sig: int) -> None:
     Engine worker's one process."""
     if member.proc is None or member.proc.poll() is not None:
         return
-    if isinstance(member, ServerProcess):
-        os.killpg(member.proc.pid, sig)
-    else:
-        os.kill(member.proc.pid, sig)
+    with contextlib.suppress(ProcessLookupError):  # it ended since
+        if isinstance(member, ServerProcess):
+            os.killpg(member.proc.pid, sig)
+        else:
+            os.kill(member.proc.pid, sig)
 
 
-@contextmanager
+@contextlib.contextmanager
 def others_stopped(members: Iterable[ServerProcess | EngineMember]) -> Iterator[None]:
     """The other members stopped (SIGSTOP) while one runs its trial, continued (SIGCONT) after,
     on an error too. An idle server is not always idle: vLLM's CPU backend, between requests,
@@ -227,8 +234,8 @@ def others_stopped(members: Iterable[ServerProcess | EngineMember]) -> Iterator[
     stopped: list[ServerProcess | EngineMember] = []
     try:
         for member in members:
+            stopped.append(member)  # first: a SIGCONT to one never stopped is harmless
             _signal_member(member, signal.SIGSTOP)
-            stopped.append(member)
         yield
     finally:
         for member in stopped:
@@ -374,6 +381,8 @@ def main() -> None:
                     f"{min(pairs):.3f}, max {max(pairs):.3f}) by pairs", flush=True,
                 )  # fmt: skip
     finally:
+        for server in servers.values():  # none is left stopped, whatever ended the rounds
+            _signal_member(server, signal.SIGCONT)
         for server in servers.values():
             server.__exit__(None, None, None)
         print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)

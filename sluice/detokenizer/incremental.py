@@ -24,7 +24,6 @@ itself: no call into the tokenizer per token.
 from __future__ import annotations
 
 import codecs
-import json
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,14 +77,15 @@ def byte_level_pieces(tokenizer: Any, skip_special_tokens: bool) -> list[bytes] 
     "▁" spaces and byte fallback, WordPiece's "##", a decoder sequence, a slow tokenizer, a
     clean-up of spaces) and should the check fail: every id's piece against the tokenizer's own
     decode of that id, and random runs of ids (invalid UTF-8 across pieces included)."""
+    from tokenizers import decoders
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not _is_plain_fast(tokenizer):
         return None
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    if decoder.get("type") != "ByteLevel":
+    if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
     to_byte = {c: b for b, c in _byte_level_chars().items()}
-    size = backend.get_vocab_size(with_added_tokens=True)
+    size = max(backend.get_vocab(with_added_tokens=True).values()) + 1  # ids may have gaps
     skipped = set()
     if skip_special_tokens:
         skipped = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
@@ -98,13 +98,15 @@ def byte_level_pieces(tokenizer: Any, skip_special_tokens: bool) -> list[bytes] 
             pieces.append(bytes(to_byte[c] for c in token))
         else:  # as the decoder does with a token it cannot map (an added token's own text)
             pieces.append(token.encode())
-    singles = backend.decode_batch([[i] for i in range(size)], skip_special_tokens)
-    if any(p.decode("utf-8", "replace") != t for p, t in zip(pieces, singles, strict=True)):
-        return None
+    # one decode a call, not decode_batch: that would start the tokenizers library's thread pool
+    # in a process (the in-process Engine's) that may fork later
+    for i, piece in enumerate(pieces):
+        if piece.decode("utf-8", "replace") != backend.decode([i], skip_special_tokens):
+            return None
     rng = random.Random(0)
-    runs = [[rng.randrange(size) for _ in range(rng.randint(2, 16))] for _ in range(500)]
-    texts = backend.decode_batch(runs, skip_special_tokens)
-    for run, text in zip(runs, texts, strict=True):
+    for _ in range(500):
+        run = [rng.randrange(size) for _ in range(rng.randint(2, 16))]
+        text = backend.decode(run, skip_special_tokens)
         if b"".join(pieces[i] for i in run).decode("utf-8", "replace") != text:
             return None
     return pieces
@@ -138,7 +140,8 @@ class IncrementalDetokenizer:
 
     Invariants: `0 <= _surr <= _read <= len(output_ids)`; `_ctx_len == len(decode(ids[surr:read]))`;
     the decoded text of `ids[:read]` is `text + _unsent` (before any stop cut), and no stop
-    string can start inside `text`.
+    string can start inside `text`. With `pieces`, `_surr` and `_ctx_len` are unused, and the
+    decoded text of `ids[:read]` is `text + _unsent` and the UTF-8 decoder's held bytes.
     """
 
     def __init__(
@@ -224,11 +227,13 @@ class IncrementalDetokenizer:
         UTF-8 decoder until the ids that complete it (or the finish: U+FFFD) come."""
         new_ids = self.output_ids[self._read : end]
         self._read = max(self._read, end)
+        if new_ids and min(new_ids) < 0:  # as the tokenizer refuses it, not a wrapped index
+            raise ValueError(f"token id {min(new_ids)} is negative")
         pieces = self._pieces
         try:
             data = b"".join([pieces[i] for i in new_ids])
         except IndexError:  # an id past the tokenizer's vocabulary decodes to nothing
-            data = b"".join([pieces[i] if 0 <= i < len(pieces) else b"" for i in new_ids])
+            data = b"".join([pieces[i] if i < len(pieces) else b"" for i in new_ids])
         return self._utf8.decode(data, is_final)
 
     def _advance(self, window_text: str, read: int) -> str:

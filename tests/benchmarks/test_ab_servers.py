@@ -4,7 +4,9 @@ the alternating order."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -108,3 +110,38 @@ def test_a_pythonpath_tree_is_the_sluice_a_server_runs_even_from_this_checkout(
     )
     assert run.returncode == 3 and run.stdout.strip() == str(other / "sluice" / "__main__.py")
     assert ab.sluice_origin({**os.environ, "PYTHONPATH": ""}) == str(checkout / "sluice")
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def test_the_other_members_are_stopped_during_a_trial_and_continued_after(ab: ModuleType) -> None:
+    """A server's whole process group (here a shell and its child) and the Engine worker's one
+    process are stopped (state T) inside `others_stopped` and running after it, an error
+    inside included."""
+    server = ab.ServerProcess("s", ["true"], "http://127.0.0.1:1", "/health")
+    server.proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
+    engine = ab.EngineMember()
+    engine.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        for _ in range(50):  # the shell's child, once it has started
+            children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children")
+            if children.read_text().split():
+                break
+            time.sleep(0.05)
+        child = int(children.read_text().split()[0])
+        pids = [server.proc.pid, child, engine.proc.pid]
+        with pytest.raises(RuntimeError, match="trial failed"):
+            with ab.others_stopped([server, engine]):
+                time.sleep(0.1)
+                assert [_state(p) for p in pids] == ["T", "T", "T"]
+                raise RuntimeError("trial failed")
+        time.sleep(0.1)
+        assert "T" not in [_state(p) for p in pids]
+    finally:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        engine.proc.kill()
+        server.proc.wait()
+        engine.proc.wait()

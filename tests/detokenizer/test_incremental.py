@@ -303,6 +303,11 @@ def test_byte_level_pieces_that_disagree_with_the_tokenizer_are_refused(tokenize
     assert byte_level_pieces(tokenizer, True) is None
 
 
+def test_a_negative_id_is_refused(make, tokenizer):
+    with pytest.raises((ValueError, OverflowError)):
+        make(tokenizer).add([*encode(tokenizer, "Hi"), -1], None)
+
+
 def test_an_id_past_the_vocabulary_decodes_to_nothing(make, tokenizer):
     ids = encode(tokenizer, "Hello world")
     with_past = [ids[0], len(tokenizer) + 7, *ids[1:]]

@@ -627,7 +627,7 @@ def test_argmax_and_finite_rows_take_bfloat16_as_its_float32_widening(ops) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [5, 70, 4099])
+@pytest.mark.parametrize("vocab", [5, 70, 90, 4099])  # 90: an odd number of whole vectors
 def test_greedy_rows_is_argmax_rows_where_finite_rows_holds_else_minus_one(ops, dtype, vocab):
     """`greedy_rows` (one pass) against `argmax_rows` and `finite_rows` (two): each row's first
     index of its maximum where every value is finite, -1 where one is not, wherever the
@@ -649,6 +649,9 @@ def test_greedy_rows_is_argmax_rows_where_finite_rows_holds_else_minus_one(ops, 
     if vocab > 40:  # ties across the kernel's two chains of alternate vectors, at 8 or 16 lanes
         x[11, [19, 35]] = 9.0
         x[12, [11, 19]] = 9.0
+    if vocab == 90:  # the last whole vector, on the first chain alone, tied with the second's
+        x[13, [17, 75]] = 9.0
+        x[14, [75, 87]] = 9.0  # ... and with the tail past it
     for rows in (x, x[::3]):
         finite = ops.finite_rows(rows)
         argmax = ops.argmax_rows(rows).tolist()
@@ -663,6 +666,8 @@ def test_greedy_rows_is_argmax_rows_where_finite_rows_holds_else_minus_one(ops, 
     assert ops.greedy_rows(x)[4:7].tolist() == [0, last, 0]
     if vocab > 40:
         assert ops.greedy_rows(x)[11:13].tolist() == [19, 11]
+    if vocab == 90:
+        assert ops.greedy_rows(x)[13:15].tolist() == [17, 75]
     assert ops.greedy_rows(torch.zeros(0, vocab, dtype=dtype)).tolist() == []
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.greedy_rows(x.half())

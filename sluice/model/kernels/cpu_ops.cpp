@@ -1488,15 +1488,14 @@ std::vector<bool> finite_rows(const at::Tensor& logits) {
 
 // int64 [R]: per row of logits [R, V] (float32 or bfloat16), the first index of its maximum
 // (argmax_rows') where every value is finite (finite_rows'), else -1: a greedy step's two
-// passes over [R, vocab] in one, each lane keeping its first index of its maximum. One thread,
-// as argmax_rows.
+// passes over [R, vocab] in one, each lane keeping its first index of its maximum.
 template <typename T>
 void greedy_rows_impl(const T* xp, int64_t R, int64_t V, int64_t stride, int64_t* op) {
   constexpr int32_t EXP = 0x7f800000;
   const int64_t full = V / W * W;
   vi lane;
   for (int i = 0; i < W; ++i) lane[i] = i;
-  // rows split over the threads from 8 rows on (a decode step's batch); in a row, two chains of
+  // rows split over the threads past 8 rows (a decode step's batch); in a row, two chains of
   // compare-and-select over alternate vectors, so that each waits on its own last select only
   sluice::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {

@@ -15,7 +15,8 @@ at character boundaries (byte-level BPE, SentencePiece), the increments concaten
 text of one `add` with all ids and the same finish, however the ids are split into chunks.
 
 Byte-level BPE (GPT-2's decoder, used by SmolLM2, Llama 3, Qwen2) needs no window: its text is
-the UTF-8 decoding (errors replaced) of its ids' bytes laid end to end. For such a tokenizer
+the UTF-8 decoding (errors replaced) of its ids' bytes laid end to end, where transformers adds
+nothing to the decode (no clean-up of spaces, which Llama 3's published configuration asks for). For such a tokenizer
 `byte_level_pieces` gives each id's bytes once, and an `add` joins the new ids' bytes and runs
 them through an incremental UTF-8 decoder, which holds back an incomplete last character by
 itself: no call into the tokenizer per token.

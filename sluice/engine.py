@@ -21,7 +21,6 @@ import torch
 from sluice.checkpoint.hf_dir import load_model_config
 from sluice.checkpoint.vision import ImageSlots
 from sluice.config import ServerArgs
-from sluice.detokenizer.incremental import byte_level_pieces
 from sluice.detokenizer.manager import DetokenizerManager
 from sluice.messages import (
     AbortReq,
@@ -69,8 +68,7 @@ class Engine:
         self.resources = resolve_resources(self.args, self.model_config)
         torch.set_num_threads(self.resources.num_threads)
         self.scheduler = Scheduler(self.args, self.model_config, self.tokenizer, self.resources)
-        pieces = {skip: byte_level_pieces(self.tokenizer, skip) for skip in (True, False)}
-        self.detokenizer = DetokenizerManager(self.tokenizer, pieces)
+        self.detokenizer = DetokenizerManager.with_pieces(self.tokenizer)
         self._ids = itertools.count()
         self._images: PromptImages | None = None  # made at the first image_data
 

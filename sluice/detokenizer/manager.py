@@ -36,6 +36,12 @@ class DetokenizerManager:
         # None: windows of ids through the decode function), made on first use
         self._pieces: dict[bool, list[bytes] | None] = dict(pieces or {})
 
+    @classmethod
+    def with_pieces(cls, tokenizer: Any) -> DetokenizerManager:
+        """A manager whose byte-level pieces are made now, both ways of skipping special
+        tokens: for the detokenizer process and the Engine, at start-up."""
+        return cls(tokenizer, {skip: byte_level_pieces(tokenizer, skip) for skip in (True, False)})
+
     def handle(self, out: BatchTokenIDOutput) -> BatchStrOutput:
         """Detokenizes one update; every field but the texts passes through unchanged."""
         texts = []

@@ -56,13 +56,10 @@ def run_detokenizer_process(
 
 class DetokenizerLoop:
     def __init__(self, hf_dir: str, addrs: ipc.IpcAddrs) -> None:
-        from sluice.detokenizer.incremental import byte_level_pieces
         from sluice.detokenizer.manager import DetokenizerManager
         from sluice.utils.tokenizer import get_tokenizer
 
-        tokenizer = get_tokenizer(hf_dir)
-        pieces = {skip: byte_level_pieces(tokenizer, skip) for skip in (True, False)}
-        self.manager = DetokenizerManager(tokenizer, pieces)
+        self.manager = DetokenizerManager.with_pieces(get_tokenizer(hf_dir))
         self.ctx = zmq.Context()
         self.recv_sock = ipc.pull_socket(self.ctx, addrs.detokenizer_in)
         self.outbox = Outbox(self.ctx, addrs.all_owners)

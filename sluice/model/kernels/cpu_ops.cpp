@@ -1502,29 +1502,22 @@ void greedy_rows_impl(const T* xp, int64_t R, int64_t V, int64_t stride, int64_t
       const T* x = xp + r * stride;
       vf best = ninf_vf(), best2 = ninf_vf();
       vi best_at = lane, best_at2 = lane + W, at = lane, bad = {};
-      int64_t t = 0;
-      for (; t + 2 * W <= full; t += 2 * W, at += 2 * W) {
+      // the vector at x + t into one chain: its non-finite lanes, and each lane's maximum
+      auto take = [&](int64_t t, vi idx, vf& top, vi& top_at) {
         const vf v = load(x + t);  // bfloat16 widened: the same exponent bits, the same order
-        const vf v2 = load(x + t + W);
-        vi bits, bits2;
-        std::memcpy(&bits, &v, sizeof bits);
-        std::memcpy(&bits2, &v2, sizeof bits2);
-        bad |= ((bits & EXP) == EXP) | ((bits2 & EXP) == EXP);
-        const vi more = v > best, more2 = v2 > best2;
-        best = more ? v : best;
-        best_at = more ? at : best_at;
-        best2 = more2 ? v2 : best2;
-        best_at2 = more2 ? at + W : best_at2;
-      }
-      for (; t < full; t += W, at += W) {
-        const vf v = load(x + t);
         vi bits;
         std::memcpy(&bits, &v, sizeof bits);
         bad |= (bits & EXP) == EXP;
-        const vi more = v > best;
-        best = more ? v : best;
-        best_at = more ? at : best_at;
+        const vi more = v > top;
+        top = more ? v : top;
+        top_at = more ? idx : top_at;
+      };
+      int64_t t = 0;
+      for (; t + 2 * W <= full; t += 2 * W, at += 2 * W) {
+        take(t, at, best, best_at);
+        take(t + W, at + W, best2, best_at2);
       }
+      for (; t < full; t += W, at += W) take(t, at, best, best_at);
       // each lane's first index of its largest value over both chains
       const vi second = (best2 > best) | ((best2 == best) & (best_at2 < best_at));
       best = second ? best2 : best;

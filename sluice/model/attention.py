@@ -134,15 +134,15 @@ class CpuKernelAttention:
     # against this split: 64 x 40 tokens 68 against 146 ms, 64 x 75 172 against 256, 32 x 150
     # 272 against 220, 8 x 512 559 against 256, 2 x 1024 549 against 190
     DENSE_MIN_QUERIES = 128
-    # ... and at least SHARED_MIN_REQUESTS requests of a decode step whose first slots, at least
-    # SHARED_MIN_SLOTS of them, are the same (a common prompt prefix; the largest such group,
-    # `ForwardBatch.shared_prefix`) attend over those slots all together, through PyTorch's
-    # blocked attention, and over the rest request by request (`decode_attention`'s
+    # ... and the new tokens, at least SHARED_MIN_QUERIES of them, of requests whose first
+    # slots, at least SHARED_MIN_SLOTS of them, are the same (a common prompt prefix; the
+    # largest such group, `ForwardBatch.shared_prefix`) attend over those slots all together,
+    # through PyTorch's blocked attention, and over the rest query by query (the kernels'
     # shared_prefix and shared_requests; cascade attention). On the Xeon (model 167), µs a layer
-    # in bfloat16, plain against shared: 32 requests over 450 shared + 40 own slots 365 against
-    # 182, 32 over 128 + 40 132 / 95, 32 over 64 + 40 86 / 82, 8 over 450 + 40 95 / 77, 4 over
-    # 450 + 40 48 / 61
-    SHARED_MIN_REQUESTS, SHARED_MIN_SLOTS = 8, 128
+    # in bfloat16, plain against shared: a decode step of 32 requests over 450 shared + 40 own
+    # slots 365 against 182, 32 over 128 + 40 132 / 95, 32 over 64 + 40 86 / 82, 8 over
+    # 450 + 40 95 / 77, 4 over 450 + 40 48 / 61
+    SHARED_MIN_QUERIES, SHARED_MIN_SLOTS = 8, 128
 
     def __init__(self, ops: Any, sdpa_dense: bool = False) -> None:
         self.ops = ops
@@ -151,6 +151,8 @@ class CpuKernelAttention:
     def supports(self, fb: ForwardBatch) -> bool:
         if fb.mode == ForwardMode.DECODE or fb.max_q <= self.MAX_FEW_QUERIES:
             return True
+        if self.sdpa_dense and self._shared(fb).slots:
+            return True  # in bfloat16 the cascade; in float32 the kernels' plain extend
         return not fb.is_causal_single and fb.mask_density < self.MAX_MASK_DENSITY
 
     def forward(
@@ -171,33 +173,36 @@ class CpuKernelAttention:
                 shared.requests,
             )  # fmt: skip  # [B, H, D]
         else:
-            split = None
+            split, shared = None, self.shared_prefix(fb, q.dtype)
             if self.sdpa_dense and q.dtype == torch.bfloat16:
                 split = fb.dense_split(self.DENSE_MIN_QUERIES, q.dtype)
             if split is None:
                 out = self.ops.extend_attention(
-                    qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, layer.scale
-                )  # [T, H, D]
+                    qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, layer.scale,
+                    shared.slots, shared.requests,
+                )  # fmt: skip  # [T, H, D]
             else:
-                out = self._split_extend(qc, k, v, k_pool, v_pool, fb, split, layer)
+                out = self._split_extend(qc, k, v, k_pool, v_pool, fb, split, shared, layer)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def shared_prefix(self, fb: ForwardBatch, dtype: torch.dtype) -> SharedPrefix:
-        """The slots a DECODE batch's requests (all, or a group of them) attend over all
-        together (`decode_attention`'s shared_prefix and shared_requests), none (slots 0) but
-        with `sdpa_dense`, in bfloat16, from SHARED_MIN_REQUESTS requests sharing
-        SHARED_MIN_SLOTS slots."""
+        """The slots a batch's requests (all, or a group of them) attend over all together (the
+        kernels' shared_prefix and shared_requests): with `sdpa_dense`, in bfloat16, those of
+        `_shared`; else none (slots 0)."""
         if not self.sdpa_dense or dtype != torch.bfloat16:
             return NO_SHARED_PREFIX
-        if fb.batch_size < self.SHARED_MIN_REQUESTS:
-            return NO_SHARED_PREFIX
+        return self._shared(fb)
+
+    def _shared(self, fb: ForwardBatch) -> SharedPrefix:
+        """`fb.shared_prefix`, where SHARED_MIN_QUERIES new tokens share SHARED_MIN_SLOTS."""
+        if fb.mode == ForwardMode.DECODE and fb.batch_size < self.SHARED_MIN_QUERIES:
+            return NO_SHARED_PREFIX  # (no need to look)
         shared = fb.shared_prefix(self.SHARED_MIN_SLOTS)
-        count = fb.batch_size if shared.count is None else shared.count
-        if count < self.SHARED_MIN_REQUESTS or shared.slots < self.SHARED_MIN_SLOTS:
+        if shared.queries < self.SHARED_MIN_QUERIES or shared.slots < self.SHARED_MIN_SLOTS:
             return NO_SHARED_PREFIX
         return shared
 
-    def _split_extend(self, q, k, v, k_pool, v_pool, fb, split, layer) -> torch.Tensor:
+    def _split_extend(self, q, k, v, k_pool, v_pool, fb, split, shared, layer) -> torch.Tensor:
         out = torch.empty_like(q)  # [T, H, D]
         for start, end, slots, seen in split.requests:
             if slots is None:  # a fresh prompt: causal over its own new K/V
@@ -210,7 +215,7 @@ class CpuKernelAttention:
         if split.rest is not None:
             out[split.rest] = self.ops.extend_attention(
                 q[split.rest], k_pool, v_pool, fb.kv_indices, split.rest_rows,
-                split.rest_seq_lens, layer.scale,
+                split.rest_seq_lens, layer.scale, shared.slots, shared.requests,
             )  # fmt: skip
         return out
 

@@ -56,12 +56,14 @@ class DenseSplit:
 
 @dataclass(frozen=True, eq=False)
 class SharedPrefix:
-    """A DECODE batch's first `slots` KV slots that the requests `requests` names (increasing
-    indices, int64; None: every request) all read alike, each of them seeing at least one slot
-    past them. slots 0: none."""
+    """A CPU batch's first `slots` KV slots that the requests `requests` names (increasing
+    indices, int64; None: every request) all read alike, all of them before each one's new
+    tokens (so each new token sees more than them); `queries`: those requests' new tokens.
+    slots 0: none."""
 
     slots: int = 0
     requests: torch.Tensor | None = None
+    queries: int = 0
 
     @property
     def count(self) -> int | None:
@@ -220,12 +222,12 @@ class ForwardBatch:
         return self._padded
 
     def shared_prefix(self, min_slots: int) -> SharedPrefix:
-        """DECODE on the CPU: the first slots, at least `min_slots` of them, that the largest
-        group of requests holding the same slot at position min_slots - 1 all read alike (a
-        common prompt prefix, which the radix cache holds once, a token a slot: two requests
-        with one slot there share every slot before it), short of each one's own last slot;
-        none for fewer than two such requests or another mode. Computed at the first call for
-        `min_slots` and kept."""
+        """DECODE or EXTEND on the CPU: the first slots, at least `min_slots` of them, that the
+        largest group of requests holding the same slot at position min_slots - 1 all read
+        alike (a common prompt prefix, which the radix cache holds once, a token a slot: two
+        requests with one slot there share every slot before it), within each one's cached
+        prefix (a new token's slot is its own); none for fewer than two such requests. Computed
+        at the first call for `min_slots` and kept."""
         if min_slots not in self._shared_prefix:
             self._shared_prefix[min_slots] = _shared_prefix(self, max(min_slots, 1))
         return self._shared_prefix[min_slots]
@@ -241,10 +243,11 @@ class ForwardBatch:
 
 
 def _shared_prefix(fb: ForwardBatch, min_slots: int) -> SharedPrefix:
-    if fb.mode != ForwardMode.DECODE or fb.batch_size < 2 or fb.kv_indices.device.type != "cpu":
+    modes = (ForwardMode.DECODE, ForwardMode.EXTEND)
+    if fb.mode not in modes or fb.batch_size < 2 or fb.kv_indices.device.type != "cpu":
         return NO_SHARED_PREFIX
-    kv, lens = fb.kv_indices.numpy(), fb.seq_lens.numpy()
-    longer = np.flatnonzero(lens > min_slots)  # each request keeps at least its own new slot
+    kv, cached = fb.kv_indices.numpy(), fb.prefix_lens_cpu.numpy()
+    longer = np.flatnonzero(cached >= min_slots)  # each request keeps at least its new slots
     if len(longer) < 2:
         return NO_SHARED_PREFIX
     column = kv[longer, min_slots - 1]
@@ -252,13 +255,15 @@ def _shared_prefix(fb: ForwardBatch, min_slots: int) -> SharedPrefix:
     members = longer[column == values[counts.argmax()]]  # increasing
     if len(members) < 2:
         return NO_SHARED_PREFIX
-    head = kv[members, : int(lens[members].min()) - 1]
+    head = kv[members, : int(cached[members].min())]
     same = (head == head[0]).all(axis=0)  # the column is one slot for every member
     slots = len(same) if same.all() else int(same.argmin())
     if slots < min_slots:  # slots shared other than through the radix cache's tree
         return NO_SHARED_PREFIX
     every = len(members) == fb.batch_size
-    return SharedPrefix(slots, None if every else torch.from_numpy(members.astype(np.int64)))
+    queries = int(fb.extend_lens_cpu.numpy()[members].sum())
+    requests = None if every else torch.from_numpy(members.astype(np.int64))
+    return SharedPrefix(slots, requests, queries)
 
 
 def _dense_split(fb: ForwardBatch, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:

@@ -90,15 +90,12 @@ class FusedDecode:
         """The final-norm hidden states [T, hidden] of the batch's tokens, each token's K/V
         written into the cache as the per-op path writes them."""
         self.steps += 1
-        if fb.mode == ForwardMode.DECODE:
-            shared = self.attention.shared_prefix(fb, self.dtype)
-            return self.layers.forward(
-                fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),
-                fb.seq_lens, shared_prefix=shared.slots, shared_requests=shared.requests,
-            )  # fmt: skip
+        shared = self.attention.shared_prefix(fb, self.dtype)
+        decode = fb.mode == ForwardMode.DECODE
         return self.layers.forward(
             fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),
-            fb.q_seq_lens, fb.q_rows,
+            fb.seq_lens if decode else fb.q_seq_lens, None if decode else fb.q_rows,
+            shared_prefix=shared.slots, shared_requests=shared.requests,
         )  # fmt: skip
 
 

@@ -291,8 +291,8 @@ def test_a_cpu_pool_takes_memory_as_it_fills() -> None:
 
 def test_a_decode_step_attends_over_a_shared_prefix_only_where_it_pays() -> None:
     """`shared_prefix` (cascade attention) with `sdpa_dense` (CPUs with AMX), in bfloat16, from
-    SHARED_MIN_REQUESTS requests sharing SHARED_MIN_SLOTS slots; 0 otherwise."""
-    most, least = CpuKernelAttention.SHARED_MIN_REQUESTS, CpuKernelAttention.SHARED_MIN_SLOTS
+    SHARED_MIN_QUERIES requests sharing SHARED_MIN_SLOTS slots; 0 otherwise."""
+    most, least = CpuKernelAttention.SHARED_MIN_QUERIES, CpuKernelAttention.SHARED_MIN_SLOTS
 
     def decode(num: int, shared: int) -> ForwardBatch:
         r2t = 1 + torch.arange(num * 512).view(num, 512)
@@ -319,3 +319,54 @@ def test_a_decode_step_attends_over_a_shared_prefix_only_where_it_pays() -> None
     fb.kv_indices[most - 3 :, least - 1] = 5000 + torch.arange(4)
     assert fb.shared_prefix(least).count == most - 3
     assert amx.shared_prefix(fb, bf16).slots == 0  # too few of them
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_an_extend_on_a_shared_prefix_is_attended_over_it_all_together(dtype, atol) -> None:
+    """New tokens of requests on one cached prompt prefix (a system prompt: the radix cache
+    holds its slots once), too many a request for the kernels' plain extend: with `sdpa_dense`
+    (CPUs with AMX) the kernels take the batch, in bfloat16 through the shared prefix (cascade
+    attention), and the result is SDPA's; without it SDPA takes it, as before."""
+    ops = kernels.cpu_ops()
+    assert ops is not None, "the CPU kernels did not build (see the warning log)"
+    shared, min_slots = 150, CpuKernelAttention.SHARED_MIN_SLOTS
+    prefix_lens, extend_lens = [shared + 10, shared, shared + 3], [20, 17, 18]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    req_to_token = torch.zeros(3, max(seq_lens), dtype=torch.int64)
+    start = 1 + shared
+    new_slots = []
+    for b, (p, n) in enumerate(zip(prefix_lens, seq_lens, strict=True)):
+        req_to_token[b, :shared] = torch.arange(1, 1 + shared)
+        req_to_token[b, shared:n] = torch.arange(start, start + n - shared)
+        new_slots.append(req_to_token[b, p:n])
+        start += n - shared
+    num_tokens = sum(extend_lens)
+    fb = ForwardBatch.build(
+        ForwardMode.EXTEND, [0] * num_tokens, prefix_lens, extend_lens, torch.cat(new_slots),
+        req_to_token, [0, 1, 2], [num_tokens - 1], CPU,
+    )  # fmt: skip
+    assert shared >= min_slots and fb.shared_prefix(min_slots).queries == num_tokens
+    amx, plain = CpuKernelAttention(ops, sdpa_dense=True), CpuKernelAttention(ops)
+    assert amx.supports(fb) and not plain.supports(fb)
+    gen = torch.Generator().manual_seed(5)
+    kv = KVCache(start + 10, 1, KV_HEADS, HEAD_DIM, dtype, CPU)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    q = (torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen) * 3).to(dtype)
+    k, v = (torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in "kv")
+    layer = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM).layer
+    kv.write(0, fb.out_cache_loc, k, v)
+    prefixes = []
+
+    class Watching:  # the kernels, noting the shared prefix each extend is given
+        attention_head_dims = ops.attention_head_dims
+
+        def extend_attention(self, *args):
+            prefixes.append(args[7])
+            return ops.extend_attention(*args)
+
+    with torch.inference_mode():
+        got = CpuKernelAttention(Watching(), sdpa_dense=True).forward(q, k, v, fb, kv, layer)
+        want = SdpaAttention().forward(q, k, v, fb, kv, layer)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+    assert prefixes == [shared if dtype == torch.bfloat16 else 0]

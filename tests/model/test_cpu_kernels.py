@@ -255,6 +255,35 @@ def test_decode_attention_over_a_prefix_some_requests_share_matches_sdpa(
 
 
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
+@pytest.mark.parametrize("every", [True, False], ids=["every-request", "some-requests"])
+def test_extend_attention_over_a_shared_prefix_matches_sdpa(ops, threads, dtype, atol, every):
+    """An extend whose requests share their first 130 slots (cascade attention over a cached
+    system prompt): requests with some cached slots of their own past it and new tokens, one
+    decoding token among them, one member with no token in this call (the dense split takes
+    such a request's away); without `every`, one request (3) reads slots of its own from its
+    first. Each query's result is the plain kernel's and SDPA's, up to rounding."""
+    shared = 130
+    prefix = [shared + 4, shared, shared + 40, shared + 20 if every else 20, shared + 9]
+    extend = [5, 30, 1, 7, 0]
+    q, k_pool, v_pool, indices, rows, q_lens = _extend_case(17, dtype, prefix, extend)
+    members = list(range(5)) if every else [0, 1, 2, 4]
+    indices[members, :shared] = indices[0, :shared].clone()
+    group = None if every else torch.tensor(members, dtype=torch.int64)
+    d = q.shape[2]
+    out = ops.extend_attention(q, k_pool, v_pool, indices, rows, q_lens, d**-0.5, shared, group)
+    plain = ops.extend_attention(q, k_pool, v_pool, indices, rows, q_lens, d**-0.5)
+    want = _reference(q, k_pool, v_pool, indices[rows], q_lens.tolist(), d**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=0)
+    torch.testing.assert_close(out.float(), plain.float(), atol=atol, rtol=0)
+    # a member's query that sees no slot past the prefix is refused
+    with pytest.raises(RuntimeError, match="a query of request 1 sees only 130 slots"):
+        short = q_lens.clone()
+        short[(rows == 1).nonzero()[0]] = shared
+        ops.extend_attention(q, k_pool, v_pool, indices, rows, short, d**-0.5, shared, group)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
 def test_decode_attention_over_a_long_shared_prefix_matches_sdpa(
     native_ops, threads, dtype, atol
 ) -> None:

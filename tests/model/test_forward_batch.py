@@ -59,11 +59,11 @@ def test_a_decode_batch_with_some_logits_rows_keeps_them() -> None:
     assert fb.logits_index.tolist() == [0, 2] and not fb.all_logits
 
 
-def test_shared_prefix_is_the_slots_a_group_of_decoding_requests_reads_alike() -> None:
+def test_shared_prefix_is_the_slots_a_group_of_requests_reads_alike() -> None:
     """The longest run of first slots that the largest group holding one slot at position
     min_slots - 1 reads alike (with a radix cache of a token a slot, those share every slot
-    before it), short of each one's own last slot (its new token's); none for one request,
-    fewer than min_slots, and extends."""
+    before it), within each one's cached prefix (short of its new tokens' slots); none for one
+    request and fewer than min_slots. Decode steps and extends alike."""
 
     def decode(positions: list[int], shared: int) -> ForwardBatch:
         r2t = _pool() + 100 * torch.arange(4)[:, None]  # each row its own slots
@@ -85,9 +85,25 @@ def test_shared_prefix_is_the_slots_a_group_of_decoding_requests_reads_alike() -
     sharing = fb.shared_prefix(3)
     assert sharing.slots == 5 and sharing.requests.tolist() == [0, 2, 3] and sharing.count == 3
     assert fb.shared_prefix(3) is sharing  # kept
-    r2t = _pool()  # every row the same slots
-    extend = ForwardBatch.build(
-        ForwardMode.EXTEND, [1, 2], [4, 4], [1, 1], torch.tensor([5, 6]), r2t, [0, 1], [0, 1],
-        torch.device("cpu"),
-    )  # fmt: skip
-    assert extend.shared_prefix(3).slots == 0
+    assert sharing.queries == 3
+
+    def extend(prefixes: list[int], news: list[int], shared: int) -> ForwardBatch:
+        r2t = _pool() + 100 * torch.arange(4)[:, None]
+        r2t[:, :shared] = r2t[0, :shared].clone()
+        rows = list(range(len(prefixes)))
+        ids = list(range(1, sum(news) + 1))
+        return ForwardBatch.build(
+            ForwardMode.EXTEND, ids, prefixes, news, torch.arange(500, 500 + sum(news)), r2t,
+            rows, [sum(news) - 1], torch.device("cpu"),
+        )  # fmt: skip
+
+    sharing = extend([4, 5, 6], [3, 1, 2], shared=9).shared_prefix(
+        3
+    )  # the same slots past each one's prefix
+    assert sharing.slots == 4 and sharing.requests is None and sharing.queries == 6
+    sharing = extend([6, 6, 2], [3, 1, 2], shared=5).shared_prefix(
+        3
+    )  # request 2's prefix is too short
+    assert sharing.slots == 5 and sharing.requests.tolist() == [0, 1] and sharing.queries == 4
+    assert extend([6, 6, 2], [3, 1, 2], shared=5).shared_prefix(6).slots == 0
+    assert extend([6, 6], [3, 1], shared=2).shared_prefix(3).slots == 0

@@ -203,20 +203,21 @@ def test_fused_extends_give_the_per_op_logits_exactly(tiny_llama_dir, dtype, qua
     assert fused.steps == steps + len(batches)
 
 
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=["decode", "extend"])
 @pytest.mark.parametrize("outsiders", [0, 2])
-def test_a_shared_prefix_decode_gives_the_per_op_logits_exactly(
-    tiny_llama_dir, monkeypatch, outsiders
+def test_a_shared_prefix_step_gives_the_per_op_logits_exactly(
+    tiny_llama_dir, monkeypatch, mode, outsiders
 ):
-    """Decoding requests whose first slots are the same (a common prompt prefix, held once)
-    attend over those slots all together (`decode_attention`'s shared_prefix: bfloat16 with
-    `sdpa_dense`, as CPUs with AMX have it; its results hold on any CPU), the same way in both
-    paths, beside requests on prompts of their own (`outsiders`); close to attending over every
-    slot request by request."""
+    """Requests whose first slots are the same (a common prompt prefix, held once), decoding a
+    token or extending by two, attend over those slots all together (the kernels'
+    shared_prefix: bfloat16 with `sdpa_dense`, as CPUs with AMX have it; its results hold on
+    any CPU), the same way in both paths, beside requests on prompts of their own
+    (`outsiders`); close to attending over every slot request by request."""
     runner = _runner(tiny_llama_dir, torch.bfloat16, "int4")
     backend = runner.fused_decode.attention  # shared by every layer
     backend.sdpa_dense = True
     monkeypatch.setattr(CpuKernelAttention, "SHARED_MIN_SLOTS", 8)
-    members, shared = CpuKernelAttention.SHARED_MIN_REQUESTS, 12
+    members, shared = CpuKernelAttention.SHARED_MIN_QUERIES, 12
     num = members + outsiders
     prefix = list(range(300, 300 + shared))
     own = [[400 + 3 * b + i for i in range(3)] for b in range(num)]
@@ -230,10 +231,10 @@ def test_a_shared_prefix_decode_gives_the_per_op_logits_exactly(
     starts = [0] + [shared] * (members - 1) + [0] * outsiders
     runner.forward(_batch(ForwardMode.EXTEND, prompts, starts, shared, outsiders))
     lens = [shared + 3] * num
-    tokens = [[7 + b] for b in range(num)]
-    fb = _batch(ForwardMode.DECODE, tokens, lens, shared, outsiders)
+    tokens = [[7 + b] if mode == ForwardMode.DECODE else [7 + b, 30 + b] for b in range(num)]
+    fb = _batch(mode, tokens, lens, shared, outsiders)
     sharing = fb.shared_prefix(8)
-    assert sharing.slots == shared
+    assert sharing.slots == shared and sharing.queries == members * len(tokens[0])
     assert sharing.count == (None if not outsiders else members)
     assert backend.shared_prefix(fb, torch.bfloat16) is sharing
     assert backend.shared_prefix(fb, torch.float32).slots == 0
@@ -242,7 +243,7 @@ def test_a_shared_prefix_decode_gives_the_per_op_logits_exactly(
     assert runner.fused_decode.steps == steps + 1
     assert torch.equal(with_fused, per_op)
     monkeypatch.setattr(CpuKernelAttention, "SHARED_MIN_SLOTS", 10**9)  # every slot, one by one
-    plain = runner.forward(_batch(ForwardMode.DECODE, tokens, lens, shared, outsiders))
+    plain = runner.forward(_batch(mode, tokens, lens, shared, outsiders))
     scale = plain.abs().max()
     assert (plain - per_op).abs().max() <= 0.02 * scale, (plain - per_op).abs().max() / scale
     assert plain.argmax(-1).tolist() == per_op.argmax(-1).tolist()

@@ -6,7 +6,8 @@ build error, or SLUICE_CPU_KERNELS=0): callers then use PyTorch ops. Its functio
 `decode_attention(q, k_pool, v_pool, kv_indices, seq_lens, scale, shared_prefix=0,
 shared_requests=None)` (a shared_prefix: that many first slots that every request, or those
 shared_requests names, reads alike, attended all together; see cpu_ops.cpp) and `extend_attention(q,
-k_pool, v_pool, kv_indices, q_rows, q_lens, scale)` (for the head dims in its
+k_pool, v_pool, kv_indices, q_rows, q_lens, scale, shared_prefix=0, shared_requests=None)` (the
+same shared prefix, under each member request's new tokens) (for the head dims in its
 `attention_head_dims`), `rms_norm(x, weight, eps)`, `add_rms_norm_(x, residual, weight, eps)`,
 `silu_and_mul(x)`, `rope_(x, positions, cos, sin, heads, head_dim)` and `small_linear(x, w,
 bias=None)` (up to `small_linear_max_rows` rows, in_features a multiple of

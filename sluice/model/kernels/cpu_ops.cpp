@@ -526,39 +526,45 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
   });
 }
 
-// A decode step's shared prefix: the first P slots that the member requests (`members`, count of
-// them, in increasing order; null: every request) all read alike. P == 0: none.
+// A batch's shared prefix: the first P slots that the member requests (`members`, count of them,
+// in increasing order; null: every request) all read alike. P == 0: none.
 struct SharedPrefix {
   int64_t P = 0;
   const int64_t* members = nullptr;
   int64_t count = 0;
 };
 
-// Decoding requests whose first P slots are the same (cascade attention: a common system prompt,
-// which the radix cache holds once). The members' queries attend over those P slots together,
-// count * G of them per KV head, through PyTorch's blocked CPU attention (in bfloat16 its matmuls
-// run on AMX tiles), which also gives each query's log-sum-exp; each member then attends over
-// the rest of its slots, [P, len), in attend(), and the two parts combine as flash-decoding's
-// parts do (the prefix's part normalized, weight 1 at its log-sum-exp). The prefix's part is
-// rounded to the dtype before the combination: the plain kernel's result up to rounding. Other
-// requests attend over all their slots in attend() alone.
+// Queries whose requests' first P slots are the same (cascade attention: a common system prompt,
+// which the radix cache holds once). The member requests' queries (a decode step's one each, or
+// an extend's new tokens on that cached prefix) attend over those P slots together, G per query
+// and KV head, through PyTorch's blocked CPU attention (in bfloat16 its matmuls run on AMX
+// tiles), which also gives each query's log-sum-exp; each of them then attends over the rest of
+// its slots, [P, len), in attend(), and the two parts combine as flash-decoding's parts do (the
+// prefix's part normalized, weight 1 at its log-sum-exp). The prefix's part is rounded to the
+// dtype before the combination: the plain kernel's result up to rounding. Other queries attend
+// over all their slots in attend() alone. Query i belongs to request rows[i] (rows null: i).
 template <typename T, int C>
 void shared_prefix_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                        const at::Tensor& kv_indices, const at::Tensor& lens_t,
+                        const at::Tensor& kv_indices, const int64_t* rows, const at::Tensor& lens_t,
                         const SharedPrefix& sp, at::Tensor& out, double scale) {
   constexpr int64_t D = W * C;
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k_pool.size(1), G = H / Hkv, P = sp.P;
-  const int64_t max_kv = kv_indices.size(1), row_len = Hkv * D;
+  const int64_t N = q.size(0), H = q.size(1), Hkv = k_pool.size(1), G = H / Hkv, P = sp.P;
+  const int64_t B = kv_indices.size(0), max_kv = kv_indices.size(1), row_len = Hkv * D;
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pool.data_ptr<T>();
   const T* vp = v_pool.data_ptr<T>();
   const int64_t* idx = kv_indices.data_ptr<int64_t>();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  // member m's request, and each request's member index (-1: not a member)
-  const int64_t M = sp.members ? sp.count : B;
-  std::vector<int64_t> member_of(B, sp.members ? -1 : 0);
-  for (int64_t m = 0; m < M; ++m) member_of[sp.members ? sp.members[m] : m] = m;
+  // whether each request is a member, and each query's index among the members' queries (-1:
+  // not a member's)
+  std::vector<char> member(B, sp.members ? 0 : 1);
+  for (int64_t m = 0; sp.members && m < sp.count; ++m) member[sp.members[m]] = 1;
+  std::vector<int64_t> member_query(N, -1);
+  int64_t M = 0;
+  for (int64_t i = 0; i < N; ++i)
+    if (member[rows ? rows[i] : i]) member_query[i] = M++;
+  if (M == 0) return attention_impl<T, C>(q, k_pool, v_pool, kv_indices, rows, lens_t, out, scale);
   const int64_t* prefix = idx + (sp.members ? sp.members[0] : 0) * max_kv;
   // the prefix's K and V [1, Hkv, P, D] and the members' queries [1, Hkv, M * G, D], gathered
   at::Tensor kq = at::empty({1, Hkv, P, D}, q.options()), vq = at::empty_like(kq);
@@ -571,10 +577,10 @@ void shared_prefix_impl(const at::Tensor& q, const at::Tensor& k_pool, const at:
       std::memcpy(kd + (kh * P + l) * D, kp + prefix[l] * row_len + kh * D, D * sizeof(T));
       std::memcpy(vd + (kh * P + l) * D, vp + prefix[l] * row_len + kh * D, D * sizeof(T));
     }
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t b = sp.members ? sp.members[m] : m;
-    for (int64_t kh = 0; kh < Hkv; ++kh)
-      std::memcpy(qd + (kh * M + m) * G * D, qp + (b * H + kh * G) * D, G * D * sizeof(T));
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t m = member_query[i];
+    for (int64_t kh = 0; m >= 0 && kh < Hkv; ++kh)
+      std::memcpy(qd + (kh * M + m) * G * D, qp + (i * H + kh * G) * D, G * D * sizeof(T));
   }
   const auto [po, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
       qq, kq, vq, 0.0, false, std::nullopt, scale);  // [1, Hkv, M * G, D], [1, Hkv, M * G]
@@ -584,39 +590,39 @@ void shared_prefix_impl(const at::Tensor& q, const at::Tensor& k_pool, const at:
   const float* ld = lse.data_ptr<float>();
   const int64_t ps1 = po.stride(1), ps2 = po.stride(2), ls1 = lse.stride(1), ls2 = lse.stride(2);
   const int64_t threads = at::get_num_threads();
-  const int64_t nkv = B >= 2 * threads ? Hkv : 1, QH = nkv * G, tasks_per_query = Hkv / nkv;
-  sluice::parallel_for(0, B * tasks_per_query, 1, [&](int64_t begin, int64_t end) {
+  const int64_t nkv = N >= 2 * threads ? Hkv : 1, QH = nkv * G, tasks_per_query = Hkv / nkv;
+  sluice::parallel_for(0, N * tasks_per_query, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv, max_sum(4 * QH);
     std::vector<vf> acc, part_acc(2 * QH * C);
     const Partial parts[2] = {{max_sum.data(), part_acc.data()},
                               {max_sum.data() + 2 * QH, part_acc.data() + QH * C}};
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / tasks_per_query, kh0 = (task % tasks_per_query) * nkv;
-      const int64_t m = member_of[b], first = m >= 0 ? P : 0;  // the slots attend() takes
+      const int64_t i = task / tasks_per_query, kh0 = (task % tasks_per_query) * nkv;
+      const int64_t m = member_query[i], first = m >= 0 ? P : 0;  // the slots attend() takes
       for (int64_t h = 0; m >= 0 && h < QH; ++h) {
         const int64_t kh = kh0 + h / G, r = m * G + h % G;
         parts[0].max_sum[2 * h] = ld[kh * ls1 + r * ls2];
         parts[0].max_sum[2 * h + 1] = 1.f;
         load_row<C>(pd + kh * ps1 + r * ps2, parts[0].acc + h * C);
       }
-      attend<T, C>(qp + (b * H + kh0 * G) * D, kp + kh0 * D, vp + kh0 * D,
-                   idx + b * max_kv + first, lens[b] - first, row_len, nkv, G,
+      attend<T, C>(qp + (i * H + kh0 * G) * D, kp + kh0 * D, vp + kh0 * D,
+                   idx + (rows ? rows[i] : i) * max_kv + first, lens[i] - first, row_len, nkv, G,
                    static_cast<float>(scale), parts[1], scores, acc, inv);
-      if (m >= 0) combine<T, C>(parts, 2, QH, op + (b * H + kh0 * G) * D);
-      else combine<T, C>(parts + 1, 1, QH, op + (b * H + kh0 * G) * D);
+      if (m >= 0) combine<T, C>(parts, 2, QH, op + (i * H + kh0 * G) * D);
+      else combine<T, C>(parts + 1, 1, QH, op + (i * H + kh0 * G) * D);
     }
   });
 }
 
-// shared.P > 0: a decode step whose (member) requests share their first P slots
-// (check_shared_prefix), through shared_prefix_impl
+// shared.P > 0: a batch whose (member) requests share their first P slots (check_shared_prefix),
+// through shared_prefix_impl
 template <typename T>
 void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& idx, const int64_t* rows, const at::Tensor& lens,
                         at::Tensor& out, double scale, const SharedPrefix& shared = {}) {
-#define SLUICE_ATTEND(DIM)                                                         \
-  if (shared.P > 0)                                                                \
-    return shared_prefix_impl<T, DIM / W>(q, k, v, idx, lens, shared, out, scale); \
+#define SLUICE_ATTEND(DIM)                                                               \
+  if (shared.P > 0)                                                                      \
+    return shared_prefix_impl<T, DIM / W>(q, k, v, idx, rows, lens, shared, out, scale); \
   return attention_impl<T, DIM / W>(q, k, v, idx, rows, lens, out, scale);
   switch (q.size(2)) {  // template argument: vectors per head
     case 16: SLUICE_ATTEND(16)
@@ -630,17 +636,20 @@ void attention_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tens
 #undef SLUICE_ATTEND
 }
 
-// The shared prefix of a decode step's kv_indices [B, max_kv] and lens [B]: shared_prefix P
-// slots, read alike by the requests `shared_requests` names (int64, increasing, at least one;
-// None: all of them), each of which sees at least one slot past them. The view points into
-// shared_requests, which must outlive it.
-SharedPrefix check_shared_prefix(const at::Tensor& kv_indices, const at::Tensor& lens, int64_t P,
+// The shared prefix of kv_indices [B, max_kv]: shared_prefix P slots, read alike by the requests
+// `shared_requests` names (int64, increasing, at least one; None: all of them), each of whose
+// queries (query i of request rows[i], or of request i for rows null) sees more than P of its
+// lens[i] slots. The view points into shared_requests, which must outlive it.
+SharedPrefix check_shared_prefix(const at::Tensor& kv_indices, const int64_t* rows,
+                                 const at::Tensor& lens, int64_t P,
                                  const std::optional<at::Tensor>& shared_requests) {
   TORCH_CHECK(P >= 0, "shared_prefix must be >= 0");
   TORCH_CHECK(P > 0 || !shared_requests, "shared_requests needs a shared_prefix");
   if (P == 0) return {};
   const int64_t B = kv_indices.size(0), max_kv = kv_indices.size(1);
+  TORCH_CHECK(P < max_kv, "shared_prefix ", P, " leaves no slot of kv_indices' ", max_kv);
   SharedPrefix sp{P, nullptr, B};
+  std::vector<char> member(B, 1);
   if (shared_requests) {
     const at::Tensor& r = *shared_requests;
     TORCH_CHECK(r.device().is_cpu() && r.dim() == 1 && r.is_contiguous() &&
@@ -648,17 +657,24 @@ SharedPrefix check_shared_prefix(const at::Tensor& kv_indices, const at::Tensor&
                 "shared_requests: [N >= 1] contiguous int64 on the CPU");
     sp.members = r.data_ptr<int64_t>();
     sp.count = r.size(0);
-    for (int64_t m = 0; m < sp.count; ++m)
+    std::fill(member.begin(), member.end(), 0);
+    for (int64_t m = 0; m < sp.count; ++m) {
       TORCH_CHECK(sp.members[m] >= 0 && sp.members[m] < B &&
                       (m == 0 || sp.members[m] > sp.members[m - 1]),
                   "shared_requests: increasing request indices below ", B);
+      member[sp.members[m]] = 1;
+    }
   }
   const int64_t* idx = kv_indices.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < lens.size(0); ++i) {
+    const int64_t b = rows ? rows[i] : i;
+    TORCH_CHECK(!member[b] || lp[i] > P, "shared_prefix ", P, ": a query of request ", b,
+                " sees only ", lp[i], " slots");
+  }
   const int64_t* first = idx + (sp.members ? sp.members[0] : 0) * max_kv;
   for (int64_t m = 0; m < sp.count; ++m) {
     const int64_t b = sp.members ? sp.members[m] : m;
-    TORCH_CHECK(lp[b] > P, "shared_prefix ", P, ": request ", b, " sees only ", lp[b], " slots");
     TORCH_CHECK(std::equal(first, first + P, idx + b * max_kv), "shared_prefix ", P,
                 ": request ", b, "'s first slots differ from the first shared request's");
   }
@@ -881,8 +897,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
     for (int64_t l = 0; l < need[b]; ++l)
       TORCH_CHECK(idx[b * max_kv + l] >= 0 && idx[b * max_kv + l] < S, "slot ",
                   idx[b * max_kv + l], " is outside the pool of ", S);
-  TORCH_CHECK(rows == nullptr || shared_prefix == 0, "shared_prefix is for decode steps");
-  const SharedPrefix shared = check_shared_prefix(kv_indices, lens, shared_prefix, shared_requests);
+  const SharedPrefix shared =
+      check_shared_prefix(kv_indices, rows, lens, shared_prefix, shared_requests);
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
     attention_dispatch<float>(q, k_pool, v_pool, kv_indices, rows, lens, out, scale, shared);
@@ -908,16 +924,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 
 // Any number of query tokens per request (prefill; the new tokens' K/V already in the pool):
 // q [T, H, D]; query t belongs to request q_rows[t] (a row of kv_indices [B, max_kv]) and sees
-// its first q_lens[t] slots (its position + 1: causal). Returns [T, H, D].
+// its first q_lens[t] slots (its position + 1: causal). Returns [T, H, D]. shared_prefix and
+// shared_requests as decode_attention's: each query of a member request sees more than P slots.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& kv_indices, const at::Tensor& q_rows,
-                            const at::Tensor& q_lens, double scale) {
+                            const at::Tensor& q_lens, double scale, int64_t shared_prefix,
+                            const std::optional<at::Tensor>& shared_requests) {
   TORCH_CHECK(q_rows.device().is_cpu() && q_rows.is_contiguous() &&
               q_rows.scalar_type() == at::kLong && q_rows.size(0) == q.size(0), "q_rows: [T] int64");
   const int64_t* rows = q_rows.data_ptr<int64_t>();
   for (int64_t t = 0; t < q_rows.size(0); ++t)
     TORCH_CHECK(rows[t] >= 0 && rows[t] < kv_indices.size(0), "q_rows out of range");
-  return attention(q, k_pool, v_pool, kv_indices, rows, q_lens, scale);
+  return attention(q, k_pool, v_pool, kv_indices, rows, q_lens, scale, shared_prefix,
+                   shared_requests);
 }
 
 // In place: residual += x, then x = rms_norm(residual) * weight. x, residual [N, H]; weight [H].
@@ -1148,10 +1167,9 @@ class DecodeLayers {
     TORCH_CHECK(linear_rows != nullptr, "DecodeLayers needs quant_ops' linear (_adopt_quant_linear)");
     TORCH_CHECK(!layers_.empty(), "DecodeLayers has no layers");
     check_step(input_ids, positions, out_cache_loc, kv_indices, seq_lens, q_rows);
-    TORCH_CHECK(!q_rows || shared_prefix == 0, "shared_prefix is for decode steps");
-    const SharedPrefix shared =
-        check_shared_prefix(kv_indices, seq_lens, shared_prefix, shared_requests);
     const int64_t* rows = q_rows ? q_rows->data_ptr<int64_t>() : nullptr;
+    const SharedPrefix shared =
+        check_shared_prefix(kv_indices, rows, seq_lens, shared_prefix, shared_requests);
     if (embed_.scalar_type() == at::kFloat)
       return run<float>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows, shared);
     return run<at::BFloat16>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows,
@@ -1569,7 +1587,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v_pool"), pybind11::arg("kv_indices"), pybind11::arg("seq_lens"),
         pybind11::arg("scale"), pybind11::arg("shared_prefix") = 0,
         pybind11::arg("shared_requests") = pybind11::none());
-  m.def("extend_attention", &extend_attention);
+  m.def("extend_attention", &extend_attention, pybind11::arg("q"), pybind11::arg("k_pool"),
+        pybind11::arg("v_pool"), pybind11::arg("kv_indices"), pybind11::arg("q_rows"),
+        pybind11::arg("q_lens"), pybind11::arg("scale"), pybind11::arg("shared_prefix") = 0,
+        pybind11::arg("shared_requests") = pybind11::none());
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);

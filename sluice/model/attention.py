@@ -137,11 +137,12 @@ class CpuKernelAttention:
     # ... and the new tokens, at least SHARED_MIN_QUERIES of them, of requests whose first
     # slots, at least SHARED_MIN_SLOTS of them, are the same (a common prompt prefix; the
     # largest such group, `ForwardBatch.shared_prefix`) attend over those slots all together,
-    # through PyTorch's blocked attention, and over the rest query by query (the kernels'
+    # (AMX tiles, or PyTorch's blocked attention), and over the rest query by query (the kernels'
     # shared_prefix and shared_requests; cascade attention). On the Xeon (model 167), µs a layer
-    # in bfloat16, plain against shared: a decode step of 32 requests over 450 shared + 40 own
-    # slots 365 against 182, 32 over 128 + 40 132 / 95, 32 over 64 + 40 86 / 82, 8 over
-    # 450 + 40 95 / 77, 4 over 450 + 40 48 / 61
+    # in bfloat16, plain against shared through PyTorch's attention: a decode step of 32
+    # requests over 450 shared + 40 own slots 365 against 182, 32 over 128 + 40 132 / 95, 32
+    # over 64 + 40 86 / 82, 8 over 450 + 40 95 / 77, 4 over 450 + 40 48 / 61 (through the AMX
+    # kernel, 32 over 450 + 30: 203 -> 124)
     SHARED_MIN_QUERIES, SHARED_MIN_SLOTS = 8, 128
 
     def __init__(self, ops: Any, sdpa_dense: bool = False) -> None:

@@ -171,7 +171,7 @@ def test_attention_holds_with_scores_hundreds_apart(ops, threads, dtype, atol, l
 
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize(
     ("num", "shared", "own"), [(8, 130, [1, 7, 30]), (3, 40, [2, 1, 300])], ids=["many", "few"]
 )

@@ -148,6 +148,7 @@ class CpuKernelAttention:
     def __init__(self, ops: Any, sdpa_dense: bool = False) -> None:
         self.ops = ops
         self.sdpa_dense = sdpa_dense
+        self._amx: bool | None = None  # the kernels' amx_attention(), asked at first use
 
     def supports(self, fb: ForwardBatch) -> bool:
         if fb.mode == ForwardMode.DECODE or fb.max_q <= self.MAX_FEW_QUERIES:
@@ -186,6 +187,16 @@ class CpuKernelAttention:
                 out = self._split_extend(qc, k, v, k_pool, v_pool, fb, split, shared, layer)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
+    def _amx_dense(self, q: torch.Tensor) -> bool:
+        """Whether the kernels' dense_attention_ takes these queries' long requests: bfloat16,
+        head_dim 64 or 128, a build and a CPU with AMX tiles (`amx_attention`)."""
+        if q.dtype != torch.bfloat16 or q.shape[-1] not in (64, 128):
+            return False
+        if self._amx is None:
+            probe = getattr(self.ops, "amx_attention", None)
+            self._amx = bool(probe()) if probe is not None else False
+        return self._amx
+
     def shared_prefix(self, fb: ForwardBatch, dtype: torch.dtype) -> SharedPrefix:
         """The slots a batch's requests (all, or a group of them) attend over all together (the
         kernels' shared_prefix and shared_requests): with `sdpa_dense`, in bfloat16, those of
@@ -205,7 +216,14 @@ class CpuKernelAttention:
 
     def _split_extend(self, q, k, v, k_pool, v_pool, fb, split, shared, layer) -> torch.Tensor:
         out = torch.empty_like(q)  # [T, H, D]
-        for start, end, slots, seen in split.requests:
+        if self._amx_dense(q):  # every long request in one call, causal, on AMX tiles
+            self.ops.dense_attention_(
+                out, q, k_pool, v_pool, fb.kv_indices, split.spans, layer.scale
+            )
+            requests = []
+        else:
+            requests = split.requests
+        for start, end, slots, seen in requests:
             if slots is None:  # a fresh prompt: causal over its own new K/V
                 kr, vr = k[start:end], v[start:end]
             else:

@@ -52,6 +52,9 @@ class DenseSplit:
     rest: torch.Tensor | None  # [R] the other tokens' rows of T; None: there are none
     rest_rows: torch.Tensor | None  # [R] their request (row of kv_indices)
     rest_seq_lens: torch.Tensor | None  # [R] the keys each sees
+    # [len(requests), 4] int64: per such request its row of kv_indices, its first token in T,
+    # its new tokens, its prefix (the kernels' dense_attention_ spans)
+    spans: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -268,24 +271,27 @@ def _shared_prefix(fb: ForwardBatch, min_slots: int) -> SharedPrefix:
 
 def _dense_split(fb: ForwardBatch, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:
     pre, ext = fb.prefix_lens_cpu.tolist(), fb.extend_lens_cpu.tolist()
-    requests, start, keep = [], 0, []
+    requests, spans, start, keep = [], [], 0, []
     for b, (p, e) in enumerate(zip(pre, ext, strict=True)):
         if e < min_queries:
             keep.append(torch.arange(start, start + e))
         elif p == 0:
             requests.append((start, start + e, None, None))
+            spans.append((b, start, e, p))
         else:  # query i at position p + i sees keys j <= p + i
             unseen = torch.ones(e, p + e, dtype=torch.bool).triu(p + 1)
             seen = torch.zeros(e, p + e, dtype=mask_dtype).masked_fill_(unseen, float("-inf"))
             requests.append((start, start + e, fb.kv_indices[b, : p + e], seen))
+            spans.append((b, start, e, p))
         start += e
     if not requests:
         return None
+    spans_t = torch.tensor(spans, dtype=torch.int64)
     if not keep:
-        return DenseSplit(requests, None, None, None)
+        return DenseSplit(requests, None, None, None, spans_t)
     rest = torch.cat(keep)
     assert fb.q_rows is not None and fb.q_seq_lens is not None
-    return DenseSplit(requests, rest, fb.q_rows[rest], fb.q_seq_lens[rest])
+    return DenseSplit(requests, rest, fb.q_rows[rest], fb.q_seq_lens[rest], spans_t)
 
 
 def _padded_queries(fb: ForwardBatch) -> PaddedQueries:

@@ -182,17 +182,24 @@ def test_the_kernels_and_sdpa_agree_on_every_batch(monkeypatch, case, dtype, ato
         monkeypatch.setattr(
             attention_module, "_sdpa_call", lambda *a: calls.append(a[3]) or call(*a)
         )
-        split = CpuKernelAttention(ops, sdpa_dense=True).forward(q, k, v, fb, kv, layer)
+        no_amx = CpuKernelAttention(ops, sdpa_dense=True)
+        no_amx._amx = False  # as on CPUs without AMX tiles: SDPA a long request
+        split = no_amx.forward(q, k, v, fb, kv, layer)
+        sdpa_calls = list(calls)
+        amx = CpuKernelAttention(ops, sdpa_dense=True).forward(q, k, v, fb, kv, layer)
     assert got.shape == want.shape == native.shape == split.shape == (num_tokens, HEADS * HEAD_DIM)
-    assert got.dtype == want.dtype == native.dtype == split.dtype == dtype
+    assert got.dtype == want.dtype == native.dtype == split.dtype == amx.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
     torch.testing.assert_close(native.float(), want.float(), atol=atol, rtol=0)
     torch.testing.assert_close(split.float(), want.float(), atol=atol, rtol=0)
-    # one SDPA call a request of 4 queries or more, masked where it has a prefix (bfloat16 only)
+    torch.testing.assert_close(amx.float(), want.float(), atol=atol, rtol=0)
+    # one SDPA call a request of 4 queries or more, masked where it has a prefix (bfloat16 only);
+    # with AMX tiles (`amx_attention`), none: the kernels' dense_attention_ takes them all
     many = [p > 0 for p, e in zip(prefix_lens, extend_lens, strict=True) if e >= 4]
     if mode == ForwardMode.DECODE or dtype == torch.float32:
         many = []
-    assert [mask is not None for mask in calls] == many
+    assert [mask is not None for mask in sdpa_calls] == many
+    assert len(calls) == len(sdpa_calls) + (0 if ops.amx_attention() else len(many))
 
 
 def test_a_backend_plugs_in_and_reads_this_steps_kv_from_the_pool() -> None:

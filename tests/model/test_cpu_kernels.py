@@ -283,6 +283,39 @@ def test_extend_attention_over_a_shared_prefix_matches_sdpa(ops, threads, dtype,
         ops.extend_attention(q, k_pool, v_pool, indices, rows, short, d**-0.5, shared, group)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dense_attention_is_causal_over_each_long_requests_slots(native_ops, threads, head_dim):
+    """The long requests of an extend on AMX tiles (`dense_attention_`), bfloat16: a fresh
+    137-token prompt, a 50-token chunk on a 40-token prefix, and 33 tokens on 3 that are left
+    out of the spans (their rows of out untouched); every query sees its request's slots up to
+    its own position, as SDPA over them does. Spans outside q or kv_indices are refused."""
+    ops = native_ops
+    if not ops.amx_attention():
+        pytest.skip("no AMX tiles here (amx_attention)")
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads = 9, 3
+    prefix, extend = [0, 40, 3], [137, 50, 33]
+    k_pool = torch.randn(SLOTS, kv_heads, head_dim, generator=gen).bfloat16()
+    v_pool = torch.randn(SLOTS, kv_heads, head_dim, generator=gen).bfloat16()
+    total = [p + e for p, e in zip(prefix, extend, strict=True)]
+    indices = torch.zeros(3, max(total), dtype=torch.int64)
+    for b, n in enumerate(total):
+        indices[b, :n] = torch.randperm(SLOTS - 1, generator=gen)[:n] + 1
+    rows = torch.repeat_interleave(torch.arange(3), torch.tensor(extend))
+    q_lens = torch.cat([torch.arange(p, p + e) + 1 for p, e in zip(prefix, extend, strict=True)])
+    q = (torch.randn(len(rows), heads, head_dim, generator=gen) * 3).bfloat16()
+    spans = torch.tensor([[0, 0, 137, 0], [1, 137, 50, 40]], dtype=torch.int64)
+    out = torch.full_like(q, 7.0)
+    scale = head_dim**-0.5
+    ops.dense_attention_(out, q, k_pool, v_pool, indices, spans, scale)
+    want = _reference(q, k_pool, v_pool, indices[rows], q_lens.tolist(), scale)
+    torch.testing.assert_close(out[:187].float(), want[:187], atol=2e-2, rtol=0)
+    assert bool((out[187:] == 7.0).all())
+    for bad in ([3, 0, 1, 0], [0, 215, 10, 0], [1, 137, 50, 141], [0, 0, 0, 0]):
+        with pytest.raises(RuntimeError, match="outside q or kv_indices"):
+            ops.dense_attention_(out, q, k_pool, v_pool, indices, torch.tensor([bad]), scale)
+
+
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
 def test_decode_attention_over_a_long_shared_prefix_matches_sdpa(
     native_ops, threads, dtype, atol

@@ -562,20 +562,18 @@ bool amx_permitted() {
 }
 
 struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
 };
 
-// Every tile used here: 16 rows of 64 bytes (16 floats, or 32 bfloat16).
-inline void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Every tile used here: 16 rows of 64 bytes (16 floats, or 32 bfloat16). A constant in memory:
+// a configuration built on the stack made ldtilecfg fault in one build, where only part of its
+// stores were left before it (the compiler need not see ldtilecfg read them).
+alignas(64) constexpr TileConfig TILES_16x64 = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+inline void amx_configure() { _tile_loadconfig(&TILES_16x64); }
 
 constexpr int64_t TILE_ELEMS = 512;  // bfloat16 values of a B tile
 
@@ -622,6 +620,182 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The interleaving of two rows of 16 bfloat16 values into pairs: lane 2n the first row's n,
+// 2n + 1 the second's (V's B tiles).
+inline __m512i pair_lanes() {
+  alignas(64) uint16_t index[32];
+  for (int n = 0; n < 16; ++n) {
+    index[2 * n] = static_cast<uint16_t>(n);
+    index[2 * n + 1] = static_cast<uint16_t>(16 + n);
+  }
+  return _mm512_load_si512(index);
+}
+
+// Keys [32 b32, 32 b32 + 32) of L (key j of KV head h at pool + slots[j] * row_len + h * D) as
+// B tiles: K's two 16-key blocks at kt, [block][32-dimension chunk], row r of a tile holding
+// dimensions (2r, 2r + 1) of the chunk for each of the block's 16 keys; V's D / 16 tiles at vt,
+// [16-dimension tile], row r holding keys (2r, 2r + 1) of the block for each of the tile's 16
+// dimensions. Keys past L are zeros.
+template <int D>
+inline void amx_lay_keys(const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* slots,
+                         int64_t row_len, int64_t h, int64_t L, int64_t b32, uint16_t* kt,
+                         uint16_t* vt, __m512i pairs) {
+  constexpr int NC = D / 32;
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t first = b32 * 32 + half * 16;
+    for (int c = 0; c < NC; ++c) {
+      __m512i rows[16];
+      for (int j = 0; j < 16; ++j)
+        rows[j] = first + j < L
+            ? _mm512_loadu_si512(k_pool + slots[first + j] * row_len + h * D + c * 32)
+            : _mm512_setzero_si512();
+      transpose16(rows);
+      uint16_t* dst = kt + (half * NC + c) * TILE_ELEMS;
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(dst + r * 32, rows[r]);
+    }
+  }
+  for (int64_t t = 0; t < D / 16; ++t) {
+    uint16_t* dst = vt + t * TILE_ELEMS;
+    for (int r = 0; r < 16; ++r) {
+      const int64_t a = b32 * 32 + 2 * r;
+      const __m256i lo = a < L ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                     v_pool + slots[a] * row_len + h * D + t * 16))
+                               : _mm256_setzero_si256();
+      const __m256i hi = a + 1 < L ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                         v_pool + slots[a + 1] * row_len + h * D + t * 16))
+                                   : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      _mm512_storeu_si512(dst + r * 32, _mm512_permutexvar_epi16(pairs, both));
+    }
+  }
+}
+
+// Per thread: the scores and probabilities of 16 rows (row stride `cap` keys) and their output.
+struct AmxScratch {
+  int64_t cap = 0;
+  std::unique_ptr<float[]> scores, out;
+  std::unique_ptr<uint16_t[]> probs;
+  void reserve(int64_t keys, int64_t D) {
+    if (keys <= cap) return;
+    cap = (keys + 31) / 32 * 32;
+    scores.reset(new float[16 * cap]);
+    probs.reset(new uint16_t[16 * cap]);
+    if (!out) out.reset(new float[16 * 128]);
+    (void)D;
+  }
+};
+
+// 16 query rows (row i at q + i * D, bfloat16, finite) over the first lim[i] >= 1 keys laid out
+// by amx_lay_keys (kt, vt: the first block's tiles, blocks consecutive): each row's softmax of
+// its scaled scores, exact (largest score first), the probabilities rounded to bfloat16 for the
+// products with V. Writes sc.out [16][D], normalized, and lse[i], the natural log-sum-exp of the
+// scaled scores. The tiles are configured (amx_configure).
+template <int D>
+inline void amx_rows(const at::BFloat16* q, const uint16_t* kt, const uint16_t* vt,
+                     const int64_t* lim, float scale, AmxScratch& sc, float* lse) {
+  constexpr int NC = D / 32;
+  int64_t most = 1;
+  for (int i = 0; i < 16; ++i) most = std::max(most, lim[i]);
+  const int64_t n32 = (most + 31) / 32, P32 = n32 * 32;
+  sc.reserve(P32, D);
+  const int64_t cap = sc.cap;
+  float* scores = sc.scores.get();
+  uint16_t* probs = sc.probs.get();
+  _tile_loadd(4, q, D * 2);
+  _tile_loadd(5, q + 32, D * 2);
+  if constexpr (NC == 4) {
+    _tile_loadd(6, q + 64, D * 2);
+    _tile_loadd(7, q + 96, D * 2);
+  }
+  for (int64_t b = 0; b < n32; ++b) {  // scores[i, key] = q_i . k_key, 32 keys a step
+    const uint16_t* k0 = kt + 2 * b * NC * TILE_ELEMS;
+    const uint16_t* k1 = k0 + NC * TILE_ELEMS;
+    _tile_zero(0);
+    _tile_zero(2);
+    _tile_loadd(1, k0, 64);
+    _tile_loadd(3, k1, 64);
+    _tile_dpbf16ps(0, 4, 1);
+    _tile_dpbf16ps(2, 4, 3);
+    _tile_loadd(1, k0 + TILE_ELEMS, 64);
+    _tile_loadd(3, k1 + TILE_ELEMS, 64);
+    _tile_dpbf16ps(0, 5, 1);
+    _tile_dpbf16ps(2, 5, 3);
+    if constexpr (NC == 4) {
+      _tile_loadd(1, k0 + 2 * TILE_ELEMS, 64);
+      _tile_loadd(3, k1 + 2 * TILE_ELEMS, 64);
+      _tile_dpbf16ps(0, 6, 1);
+      _tile_dpbf16ps(2, 6, 3);
+      _tile_loadd(1, k0 + 3 * TILE_ELEMS, 64);
+      _tile_loadd(3, k1 + 3 * TILE_ELEMS, 64);
+      _tile_dpbf16ps(0, 7, 1);
+      _tile_dpbf16ps(2, 7, 3);
+    }
+    _tile_stored(0, scores + b * 32, cap * 4);
+    _tile_stored(2, scores + b * 32 + 16, cap * 4);
+  }
+  float inv[16];
+  for (int64_t i = 0; i < 16; ++i) {  // each row's softmax, to bfloat16 probabilities
+    const float* s = scores + i * cap;
+    const int64_t full = lim[i] / 16 * 16;  // keys in whole vectors; the rest masked
+    const __mmask16 tail = static_cast<__mmask16>((1u << (lim[i] - full)) - 1);
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t l = 0; l < full; l += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + l));
+    if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_loadu_ps(s + full));
+    const float m = _mm512_reduce_max_ps(top) * scale;
+    const __m512 vscale = _mm512_set1_ps(scale), vm = _mm512_set1_ps(-m);
+    __m512 sum = _mm512_setzero_ps();
+    uint16_t* pr = probs + i * cap;
+    for (int64_t l = 0; l < P32; l += 32) {
+      __m512 e[2];
+      for (int x = 0; x < 2; ++x) {
+        const int64_t at = l + 16 * x;
+        const __mmask16 keep = at < full ? __mmask16(0xffff) : at == full ? tail : 0;
+        e[x] = keep ? _mm512_maskz_mov_ps(keep, exp512(_mm512_fmadd_ps(_mm512_loadu_ps(s + at),
+                                                                       vscale, vm)))
+                    : _mm512_setzero_ps();
+        sum = _mm512_add_ps(sum, e[x]);
+      }
+      _mm512_storeu_si512(pr + l, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+    }
+    const float total = _mm512_reduce_add_ps(sum);
+    inv[i] = 1.f / total;
+    lse[i] = m + std::log(total);
+  }
+  for (int64_t half = 0; half < D / 64; ++half) {  // out = probs . V, 64 dimensions at once
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < n32; ++b) {
+      const uint16_t* vt_b = vt + (b * (D / 16) + half * 4) * TILE_ELEMS;
+      _tile_loadd(4, probs + b * 32, cap * 2);
+      _tile_loadd(5, vt_b, 64);
+      _tile_loadd(6, vt_b + TILE_ELEMS, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, vt_b + 2 * TILE_ELEMS, 64);
+      _tile_loadd(6, vt_b + 3 * TILE_ELEMS, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    float* oh = sc.out.get() + half * 64;
+    _tile_stored(0, oh, D * 4);
+    _tile_stored(1, oh + 16, D * 4);
+    _tile_stored(2, oh + 32, D * 4);
+    _tile_stored(3, oh + 48, D * 4);
+  }
+  for (int64_t i = 0; i < 16; ++i) {
+    float* row = sc.out.get() + i * D;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), _mm512_set1_ps(inv[i])));
+  }
+}
+
+// 16 floats to bfloat16 at p, rounded to nearest even as at::BFloat16.
+inline void store_bf16(const float* x, at::BFloat16* p) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
+}
+
 // q [Hkv, Rp, D] (Rp: R rounded up to 16, the padding rows finite); key j of KV head h at
 // k_pool + slots[j] * row_len + h * D (its V likewise), j < P; writes o [Hkv, R, D] and lse
 // [Hkv, R].
@@ -631,150 +805,112 @@ void amx_prefix_attention(const at::BFloat16* q, const at::BFloat16* k_pool,
                           int64_t Hkv, int64_t R, int64_t P, float scale, at::BFloat16* o,
                           float* lse) {
   static_assert(D % 64 == 0 && D <= 128, "head_dim 64 or 128");
-  constexpr int NC = D / 32;  // 32-dimension chunks of a query row: A tiles 4 .. 4 + NC
-  const int64_t Rp = (R + 15) / 16 * 16, nq = Rp / 16;
-  // 16-key blocks in pairs (two score tiles at once), 32-key blocks for the products with V
-  const int64_t n32 = (P + 31) / 32, n16 = 2 * n32, P32 = n32 * 32;
-  // K as B tiles: [Hkv][16-key block][chunk]: row r holds dimensions (2r, 2r + 1) of the chunk
-  // for each of the 16 keys; V as B tiles: [Hkv][32-key block][16-dimension tile]: row r holds
-  // keys (2r, 2r + 1) of the block for each of the 16 dimensions; keys past P are zeros
-  std::unique_ptr<uint16_t[]> kt(new uint16_t[Hkv * n16 * NC * TILE_ELEMS]);
-  std::unique_ptr<uint16_t[]> vt(new uint16_t[Hkv * n32 * (D / 16) * TILE_ELEMS]);
+  constexpr int NC = D / 32;
+  const int64_t Rp = (R + 15) / 16 * 16, nq = Rp / 16, n32 = (P + 31) / 32;
+  const int64_t k_tiles = 2 * n32 * NC, v_tiles = n32 * (D / 16);  // per KV head
+  std::unique_ptr<uint16_t[]> kt(new uint16_t[Hkv * k_tiles * TILE_ELEMS]);
+  std::unique_ptr<uint16_t[]> vt(new uint16_t[Hkv * v_tiles * TILE_ELEMS]);
   const auto* kb = reinterpret_cast<const uint16_t*>(k_pool);
   const auto* vb = reinterpret_cast<const uint16_t*>(v_pool);
   sluice::parallel_for(0, Hkv * n32, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint16_t interleave[32];  // lane 2n: the first row's n, 2n + 1: the second's
-    for (int n = 0; n < 16; ++n) {
-      interleave[2 * n] = static_cast<uint16_t>(n);
-      interleave[2 * n + 1] = static_cast<uint16_t>(16 + n);
-    }
-    const __m512i pairs = _mm512_load_si512(interleave);
+    const __m512i pairs = pair_lanes();
     for (int64_t u = begin; u < end; ++u) {
       const int64_t h = u / n32, b32 = u % n32;
-      for (int64_t b = 2 * b32; b < 2 * b32 + 2; ++b) {  // K: 16-key blocks
-        for (int c = 0; c < NC; ++c) {
-          __m512i rows[16];
-          for (int j = 0; j < 16; ++j)
-            rows[j] = b * 16 + j < P
-                ? _mm512_loadu_si512(kb + slots[b * 16 + j] * row_len + h * D + c * 32)
-                : _mm512_setzero_si512();
-          transpose16(rows);
-          uint16_t* dst = kt.get() + ((h * n16 + b) * NC + c) * TILE_ELEMS;
-          for (int r = 0; r < 16; ++r) _mm512_storeu_si512(dst + r * 32, rows[r]);
-        }
-      }
-      for (int64_t t = 0; t < D / 16; ++t) {  // V: this 32-key block's tiles
-        uint16_t* dst = vt.get() + ((h * n32 + b32) * (D / 16) + t) * TILE_ELEMS;
-        for (int r = 0; r < 16; ++r) {
-          const int64_t a = b32 * 32 + 2 * r;
-          const __m256i lo = a < P ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                         vb + slots[a] * row_len + h * D + t * 16))
-                                   : _mm256_setzero_si256();
-          const __m256i hi = a + 1 < P ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                             vb + slots[a + 1] * row_len + h * D + t * 16))
-                                       : _mm256_setzero_si256();
-          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-          _mm512_storeu_si512(dst + r * 32, _mm512_permutexvar_epi16(pairs, both));
-        }
-      }
+      amx_lay_keys<D>(kb, vb, slots, row_len, h, P, b32,
+                      kt.get() + (h * k_tiles + 2 * b32 * NC) * TILE_ELEMS,
+                      vt.get() + (h * v_tiles + b32 * (D / 16)) * TILE_ELEMS, pairs);
     }
   });
   sluice::parallel_for(0, Hkv * nq, 1, [&](int64_t begin, int64_t end) {
     amx_configure();
-    std::unique_ptr<float[]> scores(new float[16 * P32]), out(new float[16 * D]);
-    std::unique_ptr<uint16_t[]> probs(new uint16_t[16 * P32]);
+    AmxScratch sc;
+    int64_t lim[16];
+    float row_lse[16];
+    std::fill_n(lim, 16, P);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / nq, qb = task % nq;
-      const at::BFloat16* qt = q + (h * Rp + qb * 16) * D;
-      _tile_loadd(4, qt, D * 2);
-      _tile_loadd(5, qt + 32, D * 2);
-      if constexpr (NC == 4) {
-        _tile_loadd(6, qt + 64, D * 2);
-        _tile_loadd(7, qt + 96, D * 2);
-      }
-      for (int64_t b = 0; b < n16; b += 2) {  // scores[i, key] = q_i . k_key, two blocks at once
-        const uint16_t* k0 = kt.get() + (h * n16 + b) * NC * TILE_ELEMS;
-        const uint16_t* k1 = k0 + NC * TILE_ELEMS;
-        _tile_zero(0);
-        _tile_zero(2);
-        _tile_loadd(1, k0, 64);
-        _tile_loadd(3, k1, 64);
-        _tile_dpbf16ps(0, 4, 1);
-        _tile_dpbf16ps(2, 4, 3);
-        _tile_loadd(1, k0 + TILE_ELEMS, 64);
-        _tile_loadd(3, k1 + TILE_ELEMS, 64);
-        _tile_dpbf16ps(0, 5, 1);
-        _tile_dpbf16ps(2, 5, 3);
-        if constexpr (NC == 4) {
-          _tile_loadd(1, k0 + 2 * TILE_ELEMS, 64);
-          _tile_loadd(3, k1 + 2 * TILE_ELEMS, 64);
-          _tile_dpbf16ps(0, 6, 1);
-          _tile_dpbf16ps(2, 6, 3);
-          _tile_loadd(1, k0 + 3 * TILE_ELEMS, 64);
-          _tile_loadd(3, k1 + 3 * TILE_ELEMS, 64);
-          _tile_dpbf16ps(0, 7, 1);
-          _tile_dpbf16ps(2, 7, 3);
-        }
-        _tile_stored(0, scores.get() + b * 16, P32 * 4);
-        _tile_stored(2, scores.get() + b * 16 + 16, P32 * 4);
-      }
-      float inv[16];
-      const int64_t full = P / 16 * 16;  // keys in whole vectors; the rest masked
-      const __mmask16 tail = static_cast<__mmask16>((1u << (P - full)) - 1);
-      for (int64_t i = 0; i < 16; ++i) {  // each row's softmax, to bfloat16 probabilities
-        const float* s = scores.get() + i * P32;
-        __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t l = 0; l < full; l += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + l));
-        if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_loadu_ps(s + full));
-        const float m = _mm512_reduce_max_ps(top) * scale;
-        const __m512 vscale = _mm512_set1_ps(scale), vm = _mm512_set1_ps(-m);
-        __m512 sum = _mm512_setzero_ps();
-        uint16_t* pr = probs.get() + i * P32;
-        for (int64_t l = 0; l < P32; l += 32) {
-          __m512 e[2];
-          for (int x = 0; x < 2; ++x) {
-            const int64_t at = l + 16 * x;
-            const __mmask16 keep = at < full ? __mmask16(0xffff) : at == full ? tail : 0;
-            e[x] = keep ? _mm512_maskz_mov_ps(keep, exp512(_mm512_fmadd_ps(
-                              _mm512_loadu_ps(s + at), vscale, vm)))
-                        : _mm512_setzero_ps();
-            sum = _mm512_add_ps(sum, e[x]);
-          }
-          _mm512_storeu_si512(pr + l, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-        }
-        const float total = _mm512_reduce_add_ps(sum);
-        inv[i] = 1.f / total;
-        if (qb * 16 + i < R) lse[h * R + qb * 16 + i] = m + std::log(total);
-      }
-      for (int64_t half = 0; half < D / 64; ++half) {  // out = probs . V, 64 dimensions at once
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t b = 0; b < n32; ++b) {
-          const uint16_t* vt_b = vt.get() + ((h * n32 + b) * (D / 16) + half * 4) * TILE_ELEMS;
-          _tile_loadd(4, probs.get() + b * 32, P32 * 2);
-          _tile_loadd(5, vt_b, 64);
-          _tile_loadd(6, vt_b + TILE_ELEMS, 64);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(5, vt_b + 2 * TILE_ELEMS, 64);
-          _tile_loadd(6, vt_b + 3 * TILE_ELEMS, 64);
-          _tile_dpbf16ps(2, 4, 5);
-          _tile_dpbf16ps(3, 4, 6);
-        }
-        float* oh = out.get() + half * 64;
-        _tile_stored(0, oh, D * 4);
-        _tile_stored(1, oh + 16, D * 4);
-        _tile_stored(2, oh + 32, D * 4);
-        _tile_stored(3, oh + 48, D * 4);
-      }
+      amx_rows<D>(q + (h * Rp + qb * 16) * D, kt.get() + h * k_tiles * TILE_ELEMS,
+                  vt.get() + h * v_tiles * TILE_ELEMS, lim, scale, sc, row_lse);
       for (int64_t i = 0; i < 16 && qb * 16 + i < R; ++i) {
-        at::BFloat16* dst = o + (h * R + qb * 16 + i) * D;
-        for (int64_t d = 0; d < D; d += 16) {  // rounded to nearest even, as at::BFloat16
-          const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(out.get() + i * D + d), _mm512_set1_ps(inv[i]));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(x));
+        const int64_t r = h * R + qb * 16 + i;
+        lse[r] = row_lse[i];
+        for (int64_t d = 0; d < D; d += 16) store_bf16(sc.out.get() + i * D + d, o + r * D + d);
+      }
+    }
+    _tile_release();
+  });
+}
+
+// Requests of many new tokens each, attended on AMX tiles, causal: span s = spans[s] = (its row
+// b of kv_indices, its first query t0 in q, its n queries, its prefix p): query t0 + i sees the
+// first p + i + 1 slots of row b (its new tokens' K and V already in the pool). q, out [T, H, D]
+// bfloat16; writes those queries' rows of out.
+template <int D>
+void amx_dense_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                         const at::Tensor& kv_indices, const at::Tensor& spans, double scale,
+                         at::Tensor& out) {
+  constexpr int NC = D / 32;
+  const int64_t H = q.size(1), Hkv = k_pool.size(1), G = H / Hkv, row_len = Hkv * D;
+  const int64_t S = spans.size(0), max_kv = kv_indices.size(1);
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t* idx = kv_indices.data_ptr<int64_t>();
+  const auto* qp = q.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const auto* kb = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
+  const auto* vb = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+  // per span: its 32-key blocks, where its tiles start, and its 16-row blocks of queries
+  std::vector<int64_t> n32(S), tile0(S + 1, 0), layout(S + 1, 0), tasks(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t L = sp[4 * s + 3] + sp[4 * s + 2];
+    n32[s] = (L + 31) / 32;
+    tile0[s + 1] = tile0[s] + Hkv * n32[s] * (2 * NC + D / 16);
+    layout[s + 1] = layout[s] + Hkv * n32[s];
+    tasks[s + 1] = tasks[s] + Hkv * ((sp[4 * s + 2] * G + 15) / 16);
+  }
+  std::unique_ptr<uint16_t[]> tiles(new uint16_t[tile0[S] * TILE_ELEMS]);
+  // span s, KV head h: its K tiles, then its V tiles
+  auto k_tiles = [&](int64_t s, int64_t h) {
+    return tiles.get() + (tile0[s] + h * n32[s] * (2 * NC + D / 16)) * TILE_ELEMS;
+  };
+  auto v_tiles = [&](int64_t s, int64_t h) { return k_tiles(s, h) + 2 * n32[s] * NC * TILE_ELEMS; };
+  sluice::parallel_for(0, layout[S], 1, [&](int64_t begin, int64_t end) {
+    const __m512i pairs = pair_lanes();
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t s = std::upper_bound(layout.begin(), layout.end(), u) - layout.begin() - 1;
+      const int64_t h = (u - layout[s]) / n32[s], b32 = (u - layout[s]) % n32[s];
+      const int64_t L = sp[4 * s + 3] + sp[4 * s + 2];
+      amx_lay_keys<D>(kb, vb, idx + sp[4 * s] * max_kv, row_len, h, L, b32,
+                      k_tiles(s, h) + 2 * b32 * NC * TILE_ELEMS,
+                      v_tiles(s, h) + b32 * (D / 16) * TILE_ELEMS, pairs);
+    }
+  });
+  sluice::parallel_for(0, tasks[S], 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    AmxScratch sc;
+    alignas(64) at::BFloat16 rows[16 * D];
+    int64_t lim[16];
+    float row_lse[16];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = std::upper_bound(tasks.begin(), tasks.end(), task) - tasks.begin() - 1;
+      const int64_t blocks = (sp[4 * s + 2] * G + 15) / 16;
+      const int64_t h = (task - tasks[s]) / blocks, qb = (task - tasks[s]) % blocks;
+      const int64_t t0 = sp[4 * s + 1], n = sp[4 * s + 2], p = sp[4 * s + 3];
+      for (int64_t i = 0; i < 16; ++i) {  // row r: query r / G, head h G + r % G
+        const int64_t r = qb * 16 + i, t = r / G, g = r % G;
+        if (t < n) {
+          std::memcpy(rows + i * D, qp + ((t0 + t) * H + h * G + g) * D, D * sizeof(at::BFloat16));
+          lim[i] = p + t + 1;
+        } else {
+          std::memset(rows + i * D, 0, D * sizeof(at::BFloat16));
+          lim[i] = 1;
         }
+      }
+      amx_rows<D>(rows, k_tiles(s, h), v_tiles(s, h), lim, static_cast<float>(scale), sc, row_lse);
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = qb * 16 + i, t = r / G, g = r % G;
+        if (t >= n) break;
+        at::BFloat16* dst = op + ((t0 + t) * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; d += 16) store_bf16(sc.out.get() + i * D + d, dst + d);
       }
     }
     _tile_release();
@@ -1213,6 +1349,54 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const
     TORCH_CHECK(rows[t] >= 0 && rows[t] < kv_indices.size(0), "q_rows out of range");
   return attention(q, k_pool, v_pool, kv_indices, rows, q_lens, scale, shared_prefix,
                    shared_requests);
+}
+
+// Whether dense_attention_ runs here: a build with AMX tiles, on a CPU whose kernel lets this
+// process use them.
+bool amx_attention() {
+#if defined(SLUICE_AMX_PREFIX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// Requests of many new tokens each (a prefill's long prompts), causal, on AMX tiles: spans [S, 4]
+// int64, span s = (its row b of kv_indices [B, max_kv], its first query t0 in q, its n queries,
+// its prefix p): query t0 + i sees the first p + i + 1 slots of row b, whose new tokens' K and V
+// are in the pool already. q, out [T, H, D], pools [slots, Hkv, D], bfloat16, head_dim 64 or 128;
+// writes those queries' rows of out, the others untouched. Only where amx_attention().
+void dense_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool,
+                      const at::Tensor& v_pool, const at::Tensor& kv_indices,
+                      const at::Tensor& spans, double scale) {
+  TORCH_CHECK(amx_attention(), "dense_attention_ needs AMX tiles (amx_attention())");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_pool, &v_pool})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 3 &&
+                t->scalar_type() == at::kBFloat16, "dense_attention_: contiguous 3-D bfloat16 CPU tensors");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out and q differ in shape");
+  TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && q.size(2) == k_pool.size(2) &&
+              q.size(1) % k_pool.size(1) == 0, "q and the pools do not match");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "dense_attention_: head_dim 64 or 128");
+  TORCH_CHECK(kv_indices.device().is_cpu() && kv_indices.is_contiguous() && kv_indices.dim() == 2 &&
+              kv_indices.scalar_type() == at::kLong, "kv_indices: [B, max_kv] contiguous int64");
+  TORCH_CHECK(spans.device().is_cpu() && spans.is_contiguous() && spans.dim() == 2 &&
+              spans.size(1) == 4 && spans.scalar_type() == at::kLong, "spans: [S, 4] contiguous int64");
+  const int64_t T = q.size(0), B = kv_indices.size(0), max_kv = kv_indices.size(1);
+  const int64_t slots = k_pool.size(0);
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t* idx = kv_indices.data_ptr<int64_t>();
+  for (int64_t s = 0; s < spans.size(0); ++s) {
+    const int64_t b = sp[4 * s], t0 = sp[4 * s + 1], n = sp[4 * s + 2], p = sp[4 * s + 3];
+    TORCH_CHECK(b >= 0 && b < B && t0 >= 0 && n >= 1 && t0 + n <= T && p >= 0 && p + n <= max_kv,
+                "span ", s, " (", b, ", ", t0, ", ", n, ", ", p, ") is outside q or kv_indices");
+    for (int64_t l = 0; l < p + n; ++l)
+      TORCH_CHECK(idx[b * max_kv + l] >= 0 && idx[b * max_kv + l] < slots, "slot ",
+                  idx[b * max_kv + l], " is outside the pool of ", slots);
+  }
+#if defined(SLUICE_AMX_PREFIX)
+  if (q.size(2) == 64) amx_dense_attention<64>(q, k_pool, v_pool, kv_indices, spans, scale, out);
+  else amx_dense_attention<128>(q, k_pool, v_pool, kv_indices, spans, scale, out);
+#endif
 }
 
 // In place: residual += x, then x = rms_norm(residual) * weight. x, residual [N, H]; weight [H].
@@ -1867,6 +2051,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v_pool"), pybind11::arg("kv_indices"), pybind11::arg("q_rows"),
         pybind11::arg("q_lens"), pybind11::arg("scale"), pybind11::arg("shared_prefix") = 0,
         pybind11::arg("shared_requests") = pybind11::none());
+  m.def("amx_attention", &amx_attention);
+  m.def("dense_attention_", &dense_attention_, pybind11::arg("out"), pybind11::arg("q"),
+        pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("kv_indices"),
+        pybind11::arg("spans"), pybind11::arg("scale"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);

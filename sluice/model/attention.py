@@ -149,13 +149,17 @@ class CpuKernelAttention:
         self.ops = ops
         self.sdpa_dense = sdpa_dense
         self._amx: bool | None = None  # the kernels' amx_attention(), asked at first use
+        # a long fresh prompt taken for AMX tiles, in a dtype or head_dim they do not take
+        self._sdpa = SdpaAttention(cpu_native=sdpa_dense)
 
     def supports(self, fb: ForwardBatch) -> bool:
         if fb.mode == ForwardMode.DECODE or fb.max_q <= self.MAX_FEW_QUERIES:
             return True
         if self.sdpa_dense and self._shared(fb).slots:
             return True  # in bfloat16 the cascade; in float32 the kernels' plain extend
-        return not fb.is_causal_single and fb.mask_density < self.MAX_MASK_DENSITY
+        if fb.is_causal_single:  # a long one on AMX tiles; else (forward) SDPA's, as without
+            return self.sdpa_dense and fb.max_q >= self.DENSE_MIN_QUERIES and self._amx_tiles()
+        return fb.mask_density < self.MAX_MASK_DENSITY
 
     def forward(
         self,
@@ -174,6 +178,8 @@ class CpuKernelAttention:
                 qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale, shared.slots,
                 shared.requests,
             )  # fmt: skip  # [B, H, D]
+        elif fb.is_causal_single and fb.max_q > self.MAX_FEW_QUERIES and not self._amx_dense(q):
+            return self._sdpa.forward(q, k, v, fb, kv, layer)  # supports() took it for AMX
         else:
             split, shared = None, self.shared_prefix(fb, q.dtype)
             if self.sdpa_dense and q.dtype == torch.bfloat16:
@@ -189,9 +195,11 @@ class CpuKernelAttention:
 
     def _amx_dense(self, q: torch.Tensor) -> bool:
         """Whether the kernels' dense_attention_ takes these queries' long requests: bfloat16,
-        head_dim 64 or 128, a build and a CPU with AMX tiles (`amx_attention`)."""
-        if q.dtype != torch.bfloat16 or q.shape[-1] not in (64, 128):
-            return False
+        head_dim 64 or 128, a build and a CPU with AMX tiles."""
+        return q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and self._amx_tiles()
+
+    def _amx_tiles(self) -> bool:
+        """The kernels' amx_attention(): built with AMX tiles, on a CPU that lets us use them."""
         if self._amx is None:
             probe = getattr(self.ops, "amx_attention", None)
             self._amx = bool(probe()) if probe is not None else False

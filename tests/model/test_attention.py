@@ -198,6 +198,11 @@ def test_the_kernels_and_sdpa_agree_on_every_batch(monkeypatch, case, dtype, ato
     many = [p > 0 for p, e in zip(prefix_lens, extend_lens, strict=True) if e >= 4]
     if mode == ForwardMode.DECODE or dtype == torch.float32:
         many = []
+    # ... but a long fresh prompt alone in float32 goes to SDPA whole, from either
+    handed_on = fb.is_causal_single and fb.max_q > CpuKernelAttention.MAX_FEW_QUERIES
+    if handed_on and dtype == torch.float32:
+        assert [mask is not None for mask in calls] == [False, False]
+        return
     assert [mask is not None for mask in sdpa_calls] == many
     assert len(calls) == len(sdpa_calls) + (0 if ops.amx_attention() else len(many))
 
@@ -377,3 +382,31 @@ def test_an_extend_on_a_shared_prefix_is_attended_over_it_all_together(dtype, at
         want = SdpaAttention().forward(q, k, v, fb, kv, layer)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
     assert prefixes == [shared if dtype == torch.bfloat16 else 0]
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_long_fresh_prompt_goes_to_amx_tiles_where_the_kernels_have_them(dtype, atol) -> None:
+    """One fresh prompt of DENSE_MIN_QUERIES tokens or more: on a CPU with AMX tiles
+    (`amx_attention`, with `sdpa_dense`) the kernels take it, through dense_attention_ in
+    bfloat16 and through SDPA in other dtypes; elsewhere SDPA takes it, as before. Either way
+    the result is SDPA's."""
+    ops = kernels.cpu_ops()
+    assert ops is not None, "the CPU kernels did not build (see the warning log)"
+    n = CpuKernelAttention.DENSE_MIN_QUERIES + 3
+    fb = _batch(ForwardMode.EXTEND, [0], [n])
+    assert fb.is_causal_single
+    amx = CpuKernelAttention(ops, sdpa_dense=True)
+    assert amx.supports(fb) == ops.amx_attention()
+    assert not CpuKernelAttention(ops).supports(fb)  # no AMX: SDPA's, as before
+    assert not CpuKernelAttention(FAKE_OPS, sdpa_dense=True).supports(fb)  # no amx_attention
+    gen = torch.Generator().manual_seed(3)
+    kv = KVCache(n + 8, 1, KV_HEADS, HEAD_DIM, dtype, CPU)
+    q = (torch.randn(n, HEADS, HEAD_DIM, generator=gen) * 3).to(dtype)
+    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in "kv")
+    layer = PagedAttention(0, HEADS, KV_HEADS, HEAD_DIM).layer
+    kv.write(0, fb.out_cache_loc, k, v)
+    with torch.inference_mode():
+        got = amx.forward(q, k, v, fb, kv, layer)
+        want = SdpaAttention().forward(q, k, v, fb, kv, layer)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)

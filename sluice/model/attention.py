@@ -113,7 +113,10 @@ class CpuKernelAttention:
     cached prefixes: SDPA's matmuls have no queries to share a key over, and it pays for the
     gather and the float32 casts); and prefills whose padded attention would be mostly masked
     (several prompts of different lengths). Dense prefills (one fresh prompt, or a long chunk
-    on a long prefix) are left to SDPA's blocked matmuls, which are faster there."""
+    on a long prefix) are left to SDPA's blocked matmuls, which are faster there, but on CPUs
+    with AMX in bfloat16: there the kernels' own AMX attention takes long requests, a lone
+    fresh prompt among them, and extends on a prefix most of whose slots their requests share
+    (cascade attention); in another dtype such a batch goes on to SDPA (`_handed_on`)."""
 
     name = "cpu-kernels"
 
@@ -126,19 +129,24 @@ class CpuKernelAttention:
     # time at 1 to 16 queries a request (at densities up to 1.0), about as much at 32, and
     # 0.7x at 64 and more on a long prefix
     MAX_FEW_QUERIES = 16
-    # with `sdpa_dense` (bfloat16 on CPUs with AMX), a request of at least this many new tokens
-    # in an extend the kernels take goes to PyTorch's SDPA on its own (a fresh prompt causal
-    # over its new K/V, nothing gathered; a chunk on a prefix over its gathered slots, masked;
-    # nothing padded: its blocked matmuls run on AMX tiles), the rest of the batch to the
-    # kernels. On a Xeon (lscpu model 167), 30 layers of fresh prompts side by side, kernels
-    # against this split: 64 x 40 tokens 68 against 146 ms, 64 x 75 172 against 256, 32 x 150
-    # 272 against 220, 8 x 512 559 against 256, 2 x 1024 549 against 190
+    # with `sdpa_dense` (bfloat16 on CPUs with AMX), the requests of at least this many new
+    # tokens in an extend the kernels take go, causal, to the kernels' AMX attention all in one
+    # call (`dense_attention_`; where it is not there, to PyTorch's SDPA one by one: a fresh
+    # prompt over its new K/V, a chunk on a prefix over its gathered slots, masked), the rest of
+    # the batch to the plain kernels. On a Xeon (lscpu model 167), 30 layers of fresh prompts
+    # side by side, plain kernels against the split through SDPA: 64 x 40 tokens 68 against 146
+    # ms, 64 x 75 172 against 256, 32 x 150 272 against 220, 8 x 512 559 against 256, 2 x 1024
+    # 549 against 190; through the AMX kernel, 32 x ~150 in-process prefills 1.31-1.37 ->
+    # 0.95-1.06 s against SDPA
     DENSE_MIN_QUERIES = 128
     # ... and the new tokens, at least SHARED_MIN_QUERIES of them, of requests whose first
     # slots, at least SHARED_MIN_SLOTS of them, are the same (a common prompt prefix; the
-    # largest such group, `ForwardBatch.shared_prefix`) attend over those slots all together,
+    # largest such group, `ForwardBatch.shared_prefix`) attend over those slots all together
     # (AMX tiles, or PyTorch's blocked attention), and over the rest query by query (the kernels'
-    # shared_prefix and shared_requests; cascade attention). On the Xeon (model 167), µs a layer
+    # shared_prefix and shared_requests; cascade attention). An extend takes that way only where
+    # the shared slots are at least half of its members' cached ones and its members bring at
+    # least half of its tokens (`_shared_pays`): past them each query's own slots go through the
+    # plain kernels, slower than SDPA over long ones. On the Xeon (model 167), µs a layer
     # in bfloat16, plain against shared through PyTorch's attention: a decode step of 32
     # requests over 450 shared + 40 own slots 365 against 182, 32 over 128 + 40 132 / 95, 32
     # over 64 + 40 86 / 82, 8 over 450 + 40 95 / 77, 4 over 450 + 40 48 / 61 (through the AMX
@@ -149,17 +157,47 @@ class CpuKernelAttention:
         self.ops = ops
         self.sdpa_dense = sdpa_dense
         self._amx: bool | None = None  # the kernels' amx_attention(), asked at first use
-        # a long fresh prompt taken for AMX tiles, in a dtype or head_dim they do not take
+        # where a batch taken for bfloat16 on AMX comes in another dtype (`_handed_on`)
         self._sdpa = SdpaAttention(cpu_native=sdpa_dense)
 
     def supports(self, fb: ForwardBatch) -> bool:
+        return self._plain(fb) or self._for_amx(fb)
+
+    def _plain(self, fb: ForwardBatch) -> bool:
+        """The batches the kernels take in any dtype."""
         if fb.mode == ForwardMode.DECODE or fb.max_q <= self.MAX_FEW_QUERIES:
             return True
-        if self.sdpa_dense and self._shared(fb).slots:
-            return True  # in bfloat16 the cascade; in float32 the kernels' plain extend
-        if fb.is_causal_single:  # a long one on AMX tiles; else (forward) SDPA's, as without
-            return self.sdpa_dense and fb.max_q >= self.DENSE_MIN_QUERIES and self._amx_tiles()
-        return fb.mask_density < self.MAX_MASK_DENSITY
+        return not fb.is_causal_single and fb.mask_density < self.MAX_MASK_DENSITY
+
+    def _for_amx(self, fb: ForwardBatch) -> bool:
+        """The extends they take besides, for bfloat16 on CPUs with AMX (`sdpa_dense`): a lone
+        fresh prompt of DENSE_MIN_QUERIES tokens or more where the AMX kernel is there, and an
+        extend whose shared prefix pays (`_shared_pays`)."""
+        if not self.sdpa_dense or fb.mode != ForwardMode.EXTEND:
+            return False
+        if fb.is_causal_single:
+            return fb.max_q >= self.DENSE_MIN_QUERIES and self._amx_tiles()
+        return self._shared_pays(fb)
+
+    def _shared_pays(self, fb: ForwardBatch) -> bool:
+        """An extend's shared prefix (`_shared`) of at least half of its members' cached slots,
+        their new tokens at least half of the batch's."""
+        shared = self._shared(fb)
+        if not shared.slots:
+            return False
+        cached = (
+            fb.prefix_lens_cpu if shared.requests is None else fb.prefix_lens_cpu[shared.requests]
+        )
+        return 2 * shared.slots >= float(cached.double().mean()) and 2 * shared.queries >= int(
+            fb.extend_lens_cpu.sum()
+        )
+
+    def _handed_on(self, fb: ForwardBatch, q: torch.Tensor) -> bool:
+        """A batch `_for_amx` took that these queries cannot have there (another dtype; a lone
+        prompt in a head_dim the AMX kernel does not take): SDPA's, as without AMX."""
+        if self._plain(fb) or not self._for_amx(fb):
+            return False
+        return not (self._amx_dense(q) if fb.is_causal_single else q.dtype == torch.bfloat16)
 
     def forward(
         self,
@@ -178,12 +216,12 @@ class CpuKernelAttention:
                 qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale, shared.slots,
                 shared.requests,
             )  # fmt: skip  # [B, H, D]
-        elif fb.is_causal_single and fb.max_q > self.MAX_FEW_QUERIES and not self._amx_dense(q):
-            return self._sdpa.forward(q, k, v, fb, kv, layer)  # supports() took it for AMX
+        elif self._handed_on(fb, q):
+            return self._sdpa.forward(q, k, v, fb, kv, layer)
         else:
             split, shared = None, self.shared_prefix(fb, q.dtype)
             if self.sdpa_dense and q.dtype == torch.bfloat16:
-                split = fb.dense_split(self.DENSE_MIN_QUERIES, q.dtype)
+                split = fb.dense_split(self.DENSE_MIN_QUERIES, q.dtype, not self._amx_dense(q))
             if split is None:
                 out = self.ops.extend_attention(
                     qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, layer.scale,

@@ -47,7 +47,7 @@ class DenseSplit:
     # per such request: [start, end) of its tokens in T, and, where it has a prefix, the slots
     # it reads [S] and what each of its queries sees [end - start, S], as an additive mask (0
     # where seen, -inf elsewhere: SDPA would convert a boolean one on every layer) (None: a
-    # fresh prompt, plain causal over its own new tokens)
+    # fresh prompt, plain causal over its own new tokens; or a split built without masks)
     requests: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
     rest: torch.Tensor | None  # [R] the other tokens' rows of T; None: there are none
     rest_rows: torch.Tensor | None  # [R] their request (row of kv_indices)
@@ -235,13 +235,17 @@ class ForwardBatch:
             self._shared_prefix[min_slots] = _shared_prefix(self, max(min_slots, 1))
         return self._shared_prefix[min_slots]
 
-    def dense_split(self, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:
+    def dense_split(
+        self, min_queries: int, mask_dtype: torch.dtype, masks: bool = True
+    ) -> DenseSplit | None:
         """The requests with at least `min_queries` new tokens, and the rest of the batch's
         tokens (CPU EXTEND batches); None when no request has that many. Masks in
-        `mask_dtype` (the queries'). Built at the first call and kept, as `padded`."""
-        key = (min_queries, mask_dtype)
+        `mask_dtype` (the queries'), and each prefixed request's slots, only with `masks` (an
+        attention that reads the spans alone needs neither). Built at the first call and kept,
+        as `padded`."""
+        key = (min_queries, mask_dtype, masks)
         if key not in self._dense:
-            self._dense[key] = _dense_split(self, min_queries, mask_dtype)
+            self._dense[key] = _dense_split(self, min_queries, mask_dtype, masks)
         return self._dense[key]
 
 
@@ -269,13 +273,18 @@ def _shared_prefix(fb: ForwardBatch, min_slots: int) -> SharedPrefix:
     return SharedPrefix(slots, requests, queries)
 
 
-def _dense_split(fb: ForwardBatch, min_queries: int, mask_dtype: torch.dtype) -> DenseSplit | None:
+def _dense_split(
+    fb: ForwardBatch, min_queries: int, mask_dtype: torch.dtype, masks: bool
+) -> DenseSplit | None:
     pre, ext = fb.prefix_lens_cpu.tolist(), fb.extend_lens_cpu.tolist()
     requests, spans, start, keep = [], [], 0, []
     for b, (p, e) in enumerate(zip(pre, ext, strict=True)):
         if e < min_queries:
             keep.append(torch.arange(start, start + e))
         elif p == 0:
+            requests.append((start, start + e, None, None))
+            spans.append((b, start, e, p))
+        elif not masks:
             requests.append((start, start + e, None, None))
             spans.append((b, start, e, p))
         else:  # query i at position p + i sees keys j <= p + i

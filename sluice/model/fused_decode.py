@@ -13,9 +13,9 @@ log says why. Per batch it takes, over its own KV cache and up to `max_rows` tok
 (`supports`), decode steps and the extends whose attention the per-op path gives the kernels too
 (few queries a request, or a sparse padded mask: a mixed step, where decoding requests meet an
 arriving prompt, above all), each new token a row of its own that reads its request's slots up
-to its position, as `extend_attention` does. Every other batch (a dense prefill, which SDPA's
-attention takes, more tokens, another cache, a vision model's input embeddings) takes the per-op
-path. `max_rows` is unbounded where every linear layer keeps its blocks, or the blocks
+to its position, as `extend_attention` does. Every other batch (a dense prefill, whose
+attention SDPA or the kernels' AMX attention takes, more tokens, another cache, a vision model's
+input embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps its blocks, or the blocks
 repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs: DecodeLayers calls
 that GEMM as QuantLinear does); a float copy for many rows (past 32 rows on CPUs with AMX, past
 the block kernel's 8 for float32, the K-quants and CPUs without VNNI) bounds it at the 64 rows
@@ -81,9 +81,11 @@ class FusedDecode:
             return False
         if fb.mode == ForwardMode.DECODE:
             return 1 <= fb.batch_size <= self.max_rows
+        # (no request of DENSE_MIN_QUERIES tokens: the per-op path hands those to AMX or SDPA)
         return (
             fb.mode == ForwardMode.EXTEND and fb.q_rows is not None
             and 1 <= fb.q_rows.shape[0] <= self.max_rows and self.attention.supports(fb)
+            and fb.max_q < self.attention.DENSE_MIN_QUERIES
         )  # fmt: skip
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

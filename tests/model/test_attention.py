@@ -198,10 +198,14 @@ def test_the_kernels_and_sdpa_agree_on_every_batch(monkeypatch, case, dtype, ato
     many = [p > 0 for p, e in zip(prefix_lens, extend_lens, strict=True) if e >= 4]
     if mode == ForwardMode.DECODE or dtype == torch.float32:
         many = []
-    # ... but a long fresh prompt alone in float32 goes to SDPA whole, from either
-    handed_on = fb.is_causal_single and fb.max_q > CpuKernelAttention.MAX_FEW_QUERIES
-    if handed_on and dtype == torch.float32:
-        assert [mask is not None for mask in calls] == [False, False]
+    # ... but a long fresh prompt alone, taken for AMX tiles, goes to SDPA whole in float32
+    if (
+        fb.is_causal_single
+        and fb.max_q > CpuKernelAttention.MAX_FEW_QUERIES
+        and dtype == torch.float32
+    ):
+        assert sdpa_calls == []  # no tiles: the kernels' own
+        assert [mask is not None for mask in calls] == ([False] if ops.amx_attention() else [])
         return
     assert [mask is not None for mask in sdpa_calls] == many
     assert len(calls) == len(sdpa_calls) + (0 if ops.amx_attention() else len(many))
@@ -338,7 +342,9 @@ def test_an_extend_on_a_shared_prefix_is_attended_over_it_all_together(dtype, at
     """New tokens of requests on one cached prompt prefix (a system prompt: the radix cache
     holds its slots once), too many a request for the kernels' plain extend: with `sdpa_dense`
     (CPUs with AMX) the kernels take the batch, in bfloat16 through the shared prefix (cascade
-    attention), and the result is SDPA's; without it SDPA takes it, as before."""
+    attention), in float32 handing it on to SDPA, and the result is SDPA's; without it SDPA
+    takes it, as before. Members whose own cached slots outnumber the shared ones, or a batch
+    most of whose tokens are not members', are not taken."""
     ops = kernels.cpu_ops()
     assert ops is not None, "the CPU kernels did not build (see the warning log)"
     shared, min_slots = 150, CpuKernelAttention.SHARED_MIN_SLOTS
@@ -381,7 +387,20 @@ def test_an_extend_on_a_shared_prefix_is_attended_over_it_all_together(dtype, at
         got = CpuKernelAttention(Watching(), sdpa_dense=True).forward(q, k, v, fb, kv, layer)
         want = SdpaAttention().forward(q, k, v, fb, kv, layer)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
-    assert prefixes == [shared if dtype == torch.bfloat16 else 0]
+    assert prefixes == ([shared] if dtype == torch.bfloat16 else [])  # float32: SDPA's
+    # the same requests with 2 * 150 + 1 own cached slots each past the shared ones: not taken
+    longer = [p + 2 * shared + 1 for p in prefix_lens]
+    r2t = torch.zeros(3, max(longer) + max(extend_lens), dtype=torch.int64)
+    r2t[:, :shared] = torch.arange(1, 1 + shared)
+    for b in range(3):
+        r2t[b, shared:] = 1000 * (b + 1) + torch.arange(r2t.shape[1] - shared)
+    spans = enumerate(zip(longer, extend_lens, strict=True))
+    locs = torch.cat([r2t[b, p : p + e] for b, (p, e) in spans])
+    long_own = ForwardBatch.build(
+        ForwardMode.EXTEND, [0] * num_tokens, longer, extend_lens, locs, r2t, [0, 1, 2],
+        [num_tokens - 1], CPU,
+    )  # fmt: skip
+    assert long_own.shared_prefix(min_slots).slots == shared and not amx.supports(long_own)
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

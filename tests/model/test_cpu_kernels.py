@@ -283,8 +283,12 @@ def test_extend_attention_over_a_shared_prefix_matches_sdpa(ops, threads, dtype,
         ops.extend_attention(q, k_pool, v_pool, indices, rows, short, d**-0.5, shared, group)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dense_attention_is_causal_over_each_long_requests_slots(native_ops, threads, head_dim):
+@pytest.mark.parametrize(
+    ("head_dim", "heads", "kv_heads"), [(64, 9, 3), (128, 9, 3), (64, 4, 4), (64, 8, 1)]
+)
+def test_dense_attention_is_causal_over_each_long_requests_slots(
+    native_ops, threads, head_dim, heads, kv_heads
+):
     """The long requests of an extend on AMX tiles (`dense_attention_`), bfloat16: a fresh
     137-token prompt, a 50-token chunk on a 40-token prefix, and 33 tokens on 3 that are left
     out of the spans (their rows of out untouched); every query sees its request's slots up to
@@ -292,8 +296,7 @@ def test_dense_attention_is_causal_over_each_long_requests_slots(native_ops, thr
     ops = native_ops
     if not ops.amx_attention():
         pytest.skip("no AMX tiles here (amx_attention)")
-    gen = torch.Generator().manual_seed(head_dim)
-    heads, kv_heads = 9, 3
+    gen = torch.Generator().manual_seed(head_dim + heads)
     prefix, extend = [0, 40, 3], [137, 50, 33]
     k_pool = torch.randn(SLOTS, kv_heads, head_dim, generator=gen).bfloat16()
     v_pool = torch.randn(SLOTS, kv_heads, head_dim, generator=gen).bfloat16()
@@ -314,6 +317,11 @@ def test_dense_attention_is_causal_over_each_long_requests_slots(native_ops, thr
     for bad in ([3, 0, 1, 0], [0, 215, 10, 0], [1, 137, 50, 141], [0, 0, 0, 0]):
         with pytest.raises(RuntimeError, match="outside q or kv_indices"):
             ops.dense_attention_(out, q, k_pool, v_pool, indices, torch.tensor([bad]), scale)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.dense_attention_(out.float(), q.float(), k_pool, v_pool, indices, spans, scale)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        narrow = [t[..., :48].contiguous() for t in (out, q, k_pool, v_pool)]
+        ops.dense_attention_(*narrow, indices, spans, scale)
 
 
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)

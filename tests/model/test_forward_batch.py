@@ -107,3 +107,24 @@ def test_shared_prefix_is_the_slots_a_group_of_requests_reads_alike() -> None:
     assert sharing.slots == 5 and sharing.requests.tolist() == [0, 1] and sharing.queries == 4
     assert extend([6, 6, 2], [3, 1, 2], shared=5).shared_prefix(6).slots == 0
     assert extend([6, 6], [3, 1], shared=2).shared_prefix(3).slots == 0
+
+
+def test_dense_split_spans_the_long_requests_and_builds_masks_only_when_asked() -> None:
+    """`dense_split`: each request of min_queries new tokens or more as a span (its row, its
+    first token, its new tokens, its prefix), the others' tokens as the rest; with
+    masks=False the prefixed requests carry no slots and no mask (the AMX attention reads the
+    spans alone)."""
+    r2t = _pool() + 100 * torch.arange(4)[:, None]
+    prefixes, news = [0, 3, 5], [6, 2, 5]
+    fb = ForwardBatch.build(
+        ForwardMode.EXTEND, list(range(1, 14)), prefixes, news, torch.arange(500, 513), r2t,
+        [0, 1, 2], [12], torch.device("cpu"),
+    )  # fmt: skip
+    split = fb.dense_split(5, torch.float32)
+    assert split.spans.tolist() == [[0, 0, 6, 0], [2, 8, 5, 5]]
+    assert split.rest.tolist() == [6, 7] and split.rest_rows.tolist() == [1, 1]
+    assert split.requests[0][2] is None and split.requests[1][3].shape == (5, 10)
+    bare = fb.dense_split(5, torch.float32, masks=False)
+    assert bare.spans.tolist() == split.spans.tolist()
+    assert all(r[2] is None and r[3] is None for r in bare.requests)
+    assert fb.dense_split(7, torch.float32) is None

@@ -8,7 +8,10 @@ shared_requests=None)` (a shared_prefix: that many first slots that every reques
 shared_requests names, reads alike, attended all together; see cpu_ops.cpp) and `extend_attention(q,
 k_pool, v_pool, kv_indices, q_rows, q_lens, scale, shared_prefix=0, shared_requests=None)` (the
 same shared prefix, under each member request's new tokens) (for the head dims in its
-`attention_head_dims`), `rms_norm(x, weight, eps)`, `add_rms_norm_(x, residual, weight, eps)`,
+`attention_head_dims`), `dense_attention_(out, q, k_pool, v_pool, kv_indices, spans, scale)` (in
+place: an extend's long requests, causal, on AMX tiles; bfloat16, head_dim 64 or 128, only where
+`amx_attention()` is true: a build with AMX tiles, on a CPU whose kernel lets the process use
+them), `rms_norm(x, weight, eps)`, `add_rms_norm_(x, residual, weight, eps)`,
 `silu_and_mul(x)`, `rope_(x, positions, cos, sin, heads, head_dim)` and `small_linear(x, w,
 bias=None)` (up to `small_linear_max_rows` rows, in_features a multiple of
 `small_linear_k_multiple`), for float32 and bfloat16

@@ -3,8 +3,10 @@
 // elementwise steps of a decoder layer (residual add + RMSNorm, SiLU-and-multiply, rotary
 // embedding), each one pass over its rows instead of the dozen small PyTorch ops they replace.
 //
-// Storage is float32 or bfloat16; arithmetic is float32 throughout. Vectors are GCC/Clang
-// vector extensions of W floats, one AVX-512 or AVX2 register: W = 16 where the CPU has AVX-512,
+// Storage is float32 or bfloat16; arithmetic is float32 throughout, but on AMX tiles, where the
+// probabilities are rounded to bfloat16 for their products with V (as PyTorch's attention does).
+// Vectors are GCC/Clang vector extensions of W floats, one AVX-512 or AVX2 register: W = 16 where
+// the CPU has AVX-512,
 // else 8 (the build is -march=native; 16-lane vectors split over AVX2 registers ran 1.7x slower
 // than 8-lane ones; -DSLUICE_LANES=8 forces 8, which the tests build too). Work is split over
 // at::get_num_threads() threads by sluice::parallel_for (parallel.h).
@@ -549,7 +551,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
 // µs a layer through PyTorch's attention, 124 through this.
 // ---------------------------------------------------------------------------------------------
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__) && SLUICE_LANES == 16
+    defined(__AVX512BW__) && SLUICE_LANES == 16 && defined(__linux__)
 #define SLUICE_AMX_PREFIX 1
 
 // Whether this process may use AMX tiles: Linux grants their state on request, once a process.

@@ -192,12 +192,19 @@ class CpuKernelAttention:
             fb.extend_lens_cpu.sum()
         )
 
-    def _handed_on(self, fb: ForwardBatch, q: torch.Tensor) -> bool:
-        """A batch `_for_amx` took that these queries cannot have there (another dtype; a lone
+    def takes(self, fb: ForwardBatch, dtype: torch.dtype, head_dim: int) -> bool:
+        """`supports`, knowing the queries' dtype and head_dim: False for a batch that forward
+        would hand on to SDPA (`_handed_on`). The fused decode path asks this."""
+        return self._plain(fb) or (self._for_amx(fb) and not self._handed_on(fb, dtype, head_dim))
+
+    def _handed_on(self, fb: ForwardBatch, dtype: torch.dtype, head_dim: int) -> bool:
+        """A batch `_for_amx` took that such queries cannot have there (another dtype; a lone
         prompt in a head_dim the AMX kernel does not take): SDPA's, as without AMX."""
         if self._plain(fb) or not self._for_amx(fb):
             return False
-        return not (self._amx_dense(q) if fb.is_causal_single else q.dtype == torch.bfloat16)
+        if fb.is_causal_single:
+            return not (dtype == torch.bfloat16 and head_dim in (64, 128) and self._amx_tiles())
+        return dtype != torch.bfloat16
 
     def forward(
         self,
@@ -216,7 +223,7 @@ class CpuKernelAttention:
                 qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale, shared.slots,
                 shared.requests,
             )  # fmt: skip  # [B, H, D]
-        elif self._handed_on(fb, q):
+        elif self._handed_on(fb, q.dtype, q.shape[-1]):
             return self._sdpa.forward(q, k, v, fb, kv, layer)
         else:
             split, shared = None, self.shared_prefix(fb, q.dtype)
@@ -269,6 +276,7 @@ class CpuKernelAttention:
             requests = []
         else:
             requests = split.requests
+        assert not requests or split.masks, "an SDPA call needs the split's masks"
         for start, end, slots, seen in requests:
             if slots is None:  # a fresh prompt: causal over its own new K/V
                 kr, vr = k[start:end], v[start:end]

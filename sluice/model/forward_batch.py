@@ -55,6 +55,7 @@ class DenseSplit:
     # [len(requests), 4] int64: per such request its row of kv_indices, its first token in T,
     # its new tokens, its prefix (the kernels' dense_attention_ spans)
     spans: torch.Tensor | None = None
+    masks: bool = True  # built with the masks and slots (`dense_split`'s `masks`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +101,7 @@ class ForwardBatch:
     mm_inputs: MultimodalInputs | None = None  # images with positions in this forward; None: none
     all_logits: bool = False  # `logits_index` is known to be every row of T, in order
     _padded: PaddedQueries | None = field(default=None, repr=False)
-    _dense: dict[tuple[int, torch.dtype], DenseSplit | None] = field(
+    _dense: dict[tuple[int, torch.dtype, bool], DenseSplit | None] = field(
         default_factory=dict, repr=False
     )
     _shared_prefix: dict[int, SharedPrefix] = field(default_factory=dict, repr=False)
@@ -297,10 +298,10 @@ def _dense_split(
         return None
     spans_t = torch.tensor(spans, dtype=torch.int64)
     if not keep:
-        return DenseSplit(requests, None, None, None, spans_t)
+        return DenseSplit(requests, None, None, None, spans_t, masks)
     rest = torch.cat(keep)
     assert fb.q_rows is not None and fb.q_seq_lens is not None
-    return DenseSplit(requests, rest, fb.q_rows[rest], fb.q_seq_lens[rest], spans_t)
+    return DenseSplit(requests, rest, fb.q_rows[rest], fb.q_seq_lens[rest], spans_t, masks)
 
 
 def _padded_queries(fb: ForwardBatch) -> PaddedQueries:

@@ -57,6 +57,7 @@ class FusedDecode:
         rope = first.rope
         self.kv = kv
         self.dtype = kv.k[0].dtype  # the model's, its cache's
+        self.head_dim = first.head_dim
         self.max_rows = _max_rows(model)
         self.attention = first.attn.backends[0]  # the kernels' (`why_not_fused`)
         self.enabled = True
@@ -81,11 +82,14 @@ class FusedDecode:
             return False
         if fb.mode == ForwardMode.DECODE:
             return 1 <= fb.batch_size <= self.max_rows
-        # (no request of DENSE_MIN_QUERIES tokens: the per-op path hands those to AMX or SDPA)
+        # in bfloat16 on AMX CPUs, no request of DENSE_MIN_QUERIES tokens: the per-op path
+        # hands those to the AMX kernel or SDPA
+        split = self.attention.sdpa_dense and self.dtype == torch.bfloat16
         return (
             fb.mode == ForwardMode.EXTEND and fb.q_rows is not None
-            and 1 <= fb.q_rows.shape[0] <= self.max_rows and self.attention.supports(fb)
-            and fb.max_q < self.attention.DENSE_MIN_QUERIES
+            and 1 <= fb.q_rows.shape[0] <= self.max_rows
+            and self.attention.takes(fb, self.dtype, self.head_dim)
+            and not (split and fb.max_q >= self.attention.DENSE_MIN_QUERIES)
         )  # fmt: skip
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

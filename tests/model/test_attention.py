@@ -401,6 +401,23 @@ def test_an_extend_on_a_shared_prefix_is_attended_over_it_all_together(dtype, at
         [num_tokens - 1], CPU,
     )  # fmt: skip
     assert long_own.shared_prefix(min_slots).slots == shared and not amx.supports(long_own)
+    # two more requests on prompts of their own, 60 new tokens each: the members' 55 tokens
+    # are fewer than half, so the shared prefix does not pay either
+    prefixes, news = [*prefix_lens, shared, shared], [*extend_lens, 60, 60]
+    r2t = torch.zeros(5, shared + 60 + 20, dtype=torch.int64)
+    r2t[:3, :shared] = torch.arange(1, 1 + shared)
+    r2t[:3, shared:] = 5000 + torch.arange(3 * (r2t.shape[1] - shared)).view(3, -1)
+    r2t[3:] = 9000 + torch.arange(2 * r2t.shape[1]).view(2, -1)
+    locs = torch.cat(
+        [r2t[b, p : p + e] for b, (p, e) in enumerate(zip(prefixes, news, strict=True))]
+    )
+    outsiders = ForwardBatch.build(
+        ForwardMode.EXTEND, [0] * sum(news), prefixes, news, locs, r2t, list(range(5)),
+        [sum(news) - 1], CPU,
+    )  # fmt: skip
+    assert amx._shared(outsiders).slots == shared and not amx._shared_pays(outsiders)
+    # ... and where the kernels take a batch for AMX, a float32 model's is SDPA's
+    assert amx.takes(fb, torch.bfloat16, HEAD_DIM) and not amx.takes(fb, torch.float32, HEAD_DIM)
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -203,7 +203,7 @@ class CpuKernelAttention:
         if self._plain(fb) or not self._for_amx(fb):
             return False
         if fb.is_causal_single:
-            return not (dtype == torch.bfloat16 and head_dim in (64, 128) and self._amx_tiles())
+            return not self._amx_dense(dtype, head_dim)
         return dtype != torch.bfloat16
 
     def forward(
@@ -228,7 +228,9 @@ class CpuKernelAttention:
         else:
             split, shared = None, self.shared_prefix(fb, q.dtype)
             if self.sdpa_dense and q.dtype == torch.bfloat16:
-                split = fb.dense_split(self.DENSE_MIN_QUERIES, q.dtype, not self._amx_dense(q))
+                split = fb.dense_split(
+                    self.DENSE_MIN_QUERIES, q.dtype, not self._amx_dense(q.dtype, q.shape[-1])
+                )
             if split is None:
                 out = self.ops.extend_attention(
                     qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, layer.scale,
@@ -238,10 +240,10 @@ class CpuKernelAttention:
                 out = self._split_extend(qc, k, v, k_pool, v_pool, fb, split, shared, layer)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
-    def _amx_dense(self, q: torch.Tensor) -> bool:
-        """Whether the kernels' dense_attention_ takes these queries' long requests: bfloat16,
+    def _amx_dense(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the kernels' dense_attention_ takes such queries' long requests: bfloat16,
         head_dim 64 or 128, a build and a CPU with AMX tiles."""
-        return q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and self._amx_tiles()
+        return dtype == torch.bfloat16 and head_dim in (64, 128) and self._amx_tiles()
 
     def _amx_tiles(self) -> bool:
         """The kernels' amx_attention(): built with AMX tiles, on a CPU that lets us use them."""
@@ -269,7 +271,9 @@ class CpuKernelAttention:
 
     def _split_extend(self, q, k, v, k_pool, v_pool, fb, split, shared, layer) -> torch.Tensor:
         out = torch.empty_like(q)  # [T, H, D]
-        if self._amx_dense(q):  # every long request in one call, causal, on AMX tiles
+        if self._amx_dense(
+            q.dtype, q.shape[-1]
+        ):  # every long request in one call, causal, on AMX tiles
             self.ops.dense_attention_(
                 out, q, k_pool, v_pool, fb.kv_indices, split.spans, layer.scale
             )

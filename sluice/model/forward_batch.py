@@ -282,16 +282,13 @@ def _dense_split(
     for b, (p, e) in enumerate(zip(pre, ext, strict=True)):
         if e < min_queries:
             keep.append(torch.arange(start, start + e))
-        elif p == 0:
+        elif p == 0 or not masks:
             requests.append((start, start + e, None, None))
-            spans.append((b, start, e, p))
-        elif not masks:
-            requests.append((start, start + e, None, None))
-            spans.append((b, start, e, p))
         else:  # query i at position p + i sees keys j <= p + i
             unseen = torch.ones(e, p + e, dtype=torch.bool).triu(p + 1)
             seen = torch.zeros(e, p + e, dtype=mask_dtype).masked_fill_(unseen, float("-inf"))
             requests.append((start, start + e, fb.kv_indices[b, : p + e], seen))
+        if e >= min_queries:
             spans.append((b, start, e, p))
         start += e
     if not requests:

@@ -15,8 +15,8 @@ log says why. Per batch it takes, over its own KV cache and up to `max_rows` tok
 arriving prompt, above all), each new token a row of its own that reads its request's slots up
 to its position, as `extend_attention` does. Every other batch (a dense prefill, whose
 attention SDPA or the kernels' AMX attention takes, more tokens, another cache, a vision model's
-input embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps its blocks, or the blocks
-repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs: DecodeLayers calls
+input embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps
+its blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs: DecodeLayers calls
 that GEMM as QuantLinear does); a float copy for many rows (past 32 rows on CPUs with AMX, past
 the block kernel's 8 for float32, the K-quants and CPUs without VNNI) bounds it at the 64 rows
 that copy takes through oneDNN's reordered weight (PackedLinear), whose op DecodeLayers calls

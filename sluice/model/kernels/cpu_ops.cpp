@@ -677,13 +677,12 @@ struct AmxScratch {
   int64_t cap = 0;
   std::unique_ptr<float[]> scores, out;
   std::unique_ptr<uint16_t[]> probs;
-  void reserve(int64_t keys, int64_t D) {
+  void reserve(int64_t keys) {
     if (keys <= cap) return;
     cap = (keys + 31) / 32 * 32;
     scores.reset(new float[16 * cap]);
     probs.reset(new uint16_t[16 * cap]);
-    if (!out) out.reset(new float[16 * 128]);
-    (void)D;
+    if (!out) out.reset(new float[16 * 128]);  // head_dim up to 128
   }
 };
 
@@ -699,7 +698,7 @@ inline void amx_rows(const at::BFloat16* q, const uint16_t* kt, const uint16_t* 
   int64_t most = 1;
   for (int i = 0; i < 16; ++i) most = std::max(most, lim[i]);
   const int64_t n32 = (most + 31) / 32, P32 = n32 * 32;
-  sc.reserve(P32, D);
+  sc.reserve(P32);
   const int64_t cap = sc.cap;
   float* scores = sc.scores.get();
   uint16_t* probs = sc.probs.get();
@@ -793,11 +792,6 @@ inline void amx_rows(const at::BFloat16* q, const uint16_t* kt, const uint16_t* 
   }
 }
 
-// 16 floats to bfloat16 at p, rounded to nearest even as at::BFloat16.
-inline void store_bf16(const float* x, at::BFloat16* p) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
-}
-
 // q [Hkv, Rp, D] (Rp: R rounded up to 16, the padding rows finite); key j of KV head h at
 // k_pool + slots[j] * row_len + h * D (its V likewise), j < P; writes o [Hkv, R, D] and lse
 // [Hkv, R].
@@ -836,7 +830,7 @@ void amx_prefix_attention(const at::BFloat16* q, const at::BFloat16* k_pool,
       for (int64_t i = 0; i < 16 && qb * 16 + i < R; ++i) {
         const int64_t r = h * R + qb * 16 + i;
         lse[r] = row_lse[i];
-        for (int64_t d = 0; d < D; d += 16) store_bf16(sc.out.get() + i * D + d, o + r * D + d);
+        for (int64_t d = 0; d < D; d += 16) store(load(sc.out.get() + i * D + d), o + r * D + d);
       }
     }
     _tile_release();
@@ -912,7 +906,7 @@ void amx_dense_attention(const at::Tensor& q, const at::Tensor& k_pool, const at
         const int64_t r = qb * 16 + i, t = r / G, g = r % G;
         if (t >= n) break;
         at::BFloat16* dst = op + ((t0 + t) * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; d += 16) store_bf16(sc.out.get() + i * D + d, dst + d);
+        for (int64_t d = 0; d < D; d += 16) store(load(sc.out.get() + i * D + d), dst + d);
       }
     }
     _tile_release();

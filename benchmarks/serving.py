@@ -54,6 +54,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import msgspec
 
 from sluice.utils.event_loop import run_loop  # uvloop where installed: a cheaper client
 
@@ -171,6 +172,9 @@ def make_prompts(tokenizer, wl: Workload, num: int, seed: int) -> list[list[int]
 # ---------------------------------------------------------------- HTTP clients
 
 
+_EVENT = msgspec.json.Decoder()  # one streamed event's JSON
+
+
 def _payload(prompt: list[int], output_len: int) -> dict:
     # ignore_eos/max_tokens for sluice; n_predict is llama-server's name, ignored by sluice
     return {
@@ -213,7 +217,10 @@ async def stream_request(
     client: aiohttp.ClientSession, url: str, payload: dict | bytes
 ) -> RequestStats:
     """One streamed request to `/v1/completions` or `/v1/chat/completions` (SSE). `payload`
-    as bytes: the JSON body, encoded by the caller before the clock starts."""
+    as bytes: the JSON body, encoded by the caller before the clock starts. The stream is read
+    as it arrives (one read usually holds one event) and each event's JSON decoded by msgspec:
+    this client shares the server's cores, and per token it cost them about half of what
+    aiohttp's line-by-line reader and json.loads did."""
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     start = last = time.perf_counter()
     ttft, itls, chunks, usage = None, [], 0, None
@@ -223,25 +230,32 @@ async def stream_request(
         if resp.status != 200:
             text = (await resp.read()).decode(errors="replace")
             raise RuntimeError(f"HTTP {resp.status}: {text[:300]}")
-        async for raw in resp.content:  # one line at a time
-            if not raw.startswith(b"data:"):
-                continue
-            data = raw[5:].strip()
-            if data == b"[DONE]":
-                break
-            msg = json.loads(data)
-            usage = msg.get("usage") or usage
-            for choice in msg.get("choices") or []:
-                texts.append(_chunk_text(choice))
-                finish_reason = choice.get("finish_reason") or finish_reason
-            if not _is_token_chunk(msg):
-                continue
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - start
+        pending = b""  # the start of a line whose end has not arrived
+        async for data in resp.content.iter_any():
+            now = time.perf_counter()  # the arrival of every event in this read
+            lines = (pending + data).split(b"\n")
+            pending = lines.pop()
+            for raw in lines:
+                if not raw.startswith(b"data:"):
+                    continue
+                event = raw[5:].strip()
+                if event == b"[DONE]":
+                    break
+                msg = _EVENT.decode(event)
+                usage = msg.get("usage") or usage
+                for choice in msg.get("choices") or []:
+                    texts.append(_chunk_text(choice))
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                if not _is_token_chunk(msg):
+                    continue
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    itls.append(now - last)
+                last, chunks = now, chunks + 1
             else:
-                itls.append(now - last)
-            last, chunks = now, chunks + 1
+                continue
+            break  # [DONE]
     tokens = int(usage["completion_tokens"]) if usage else chunks
     return RequestStats(
         ttft=ttft if ttft is not None else last - start,

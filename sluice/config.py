@@ -76,6 +76,15 @@ class ServerArgs:
         "OMP_WAIT_POLICY from the environment. On 2 cores auto was fastest (README)",
         choices=["auto", "active", "passive"],
     )
+    cpu_bind: str = _opt(
+        "auto",
+        "pin the scheduler's compute threads one to a CPU, and its other threads (sockets, "
+        "grammar workers) off the CPU of the first, which runs the scheduler's Python: on 2 "
+        "cores, decode-heavy 1.04x (README). auto: on Linux, for a generative model on the CPU "
+        "whose kernels are built, with 2 or more compute threads and as many CPUs, unless "
+        "SLUICE_KERNEL_POOL is set; off: the OS places every thread",
+        choices=["auto", "off"],
+    )
     random_seed: int = _opt(0, "seed for requests that do not give one")
 
     # memory

@@ -196,11 +196,16 @@ class Server:
     """`embedding`: a test model keeps the default embedding model (a `sluice::encoder` child)."""
 
     def __init__(
-        self, model_path: str | None, tmp_path: Any, embedding: bool = False, group: bool = False
+        self,
+        model_path: str | None,
+        tmp_path: Any,
+        embedding: bool = False,
+        group: bool = False,
+        flags: tuple[str, ...] = (),
     ) -> None:
         self.port = _free_port()
         self.log = tmp_path / f"server-{self.port}.log"
-        cmd = [*SERVE, "--port", str(self.port), "--max-total-tokens", "4096"]
+        cmd = [*SERVE, "--port", str(self.port), "--max-total-tokens", "4096", *flags]
         if model_path is not None:  # a test model: without the default embedding model
             cmd += ["--model-path", model_path]
             cmd += [] if embedding else ["--no-embedding-model"]
@@ -240,8 +245,13 @@ class Server:
 def start_server(tmp_path: Any) -> Iterator[Any]:
     servers: list[Server] = []
 
-    def start(model_path: str | None, embedding: bool = False, group: bool = False) -> Server:
-        servers.append(Server(model_path, tmp_path, embedding, group))
+    def start(
+        model_path: str | None,
+        embedding: bool = False,
+        group: bool = False,
+        flags: tuple[str, ...] = (),
+    ) -> Server:
+        servers.append(Server(model_path, tmp_path, embedding, group, flags))
         return servers[-1]
 
     yield start
@@ -350,6 +360,38 @@ def test_sigterm_stops_everything_cleanly(start_server: Any) -> None:
     assert "did not stop" not in log
     for name in ("scheduler", "detokenizer", "embedding"):
         assert f"the {name} process exited with code 0" in log, log
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="pinning needs Linux and 2 CPUs",
+)
+@pytest.mark.parametrize("bind", ["auto", "off"])
+def test_the_scheduler_pins_its_threads(start_server: Any, tiny_llama_dir: str, bind: str) -> None:
+    server = start_server(tiny_llama_dir, flags=("--cpu-bind", bind))
+    server.wait_healthy()
+    scheduler = server.child("sluice::scheduler")
+    cpus = os.sched_getaffinity(0)
+    first = min(cpus)
+    affinity = {t.id: os.sched_getaffinity(t.id) for t in scheduler.threads()}
+    log = server.log.read_text()
+    if bind == "off":
+        assert "--cpu-bind off: the OS places every thread" in log
+        assert all(a == cpus for a in affinity.values()), affinity
+        return
+    if "sluice's CPU kernels are not built" in log:
+        pytest.skip("no CPU kernels here")
+    assert "--cpu-bind auto: compute threads on CPUs" in log, log
+    assert affinity.pop(scheduler.pid) == {first}  # the thread that runs the loop
+    singles = [a for a in affinity.values() if len(a) == 1]  # the other compute threads
+    assert singles and all(first not in a for a in affinity.values()), affinity
+    # and it serves
+    reply = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_killed_scheduler_makes_the_server_exit_nonzero(

@@ -44,6 +44,7 @@ import torch
 
 from sluice.aborts import internal_error
 from sluice.messages import FinishReason
+from sluice.utils.system import leave_main_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +131,17 @@ class GrammarManager:
         check_first: bool = True,
     ) -> None:
         self.hf_tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
-        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        # threads made after the scheduler pinned its own run off its Python thread's CPU
+        self.pool = ThreadPoolExecutor(
+            num_threads, thread_name_prefix="grammar", initializer=leave_main_cpu
+        )
         # masks are filled beside the forward (`overlap`), one step at a time
         self.overlap = overlap
         # plain greedy requests fill a mask only when their grammar refuses their token
         self.check_first = check_first
-        self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self.mask_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="grammar-mask", initializer=leave_main_cpu
+        )
         self.cache: OrderedDict[tuple[str, str], _Job] = OrderedDict()
         self.queue: list[tuple[Any, tuple[str, str], _Job]] = []  # (req, key, its compilation)
         self._lltok: Any = None

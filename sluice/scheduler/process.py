@@ -41,9 +41,41 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
 
     def build() -> ModelLoop:
         logger.info(wait_policy)
-        return ModelLoop.bind(DecoderCore.load(args), addrs, args.health_timeout)
+        loop = ModelLoop.bind(DecoderCore.load(args), addrs, args.health_timeout)
+        logger.info(bind_cpus(args, loop.info()))  # last: every thread made so far is placed
+        return loop
 
     ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, build)
+
+
+def bind_cpus(args: ServerArgs, info: ModelInfo) -> str:
+    """Pin the scheduler's threads as `--cpu-bind` says (`system.pin_threads`); the line to log.
+    Runs once the model is loaded and the sockets are open, in the thread that runs the loop."""
+    import torch
+
+    from sluice.model.kernels import cpu_ops
+    from sluice.utils import envs
+    from sluice.utils.system import pin_threads
+
+    head = f"--cpu-bind {args.cpu_bind}"
+    if args.cpu_bind == "off":
+        return f"{head}: the OS places every thread"
+    if not hasattr(os, "sched_setaffinity"):
+        return f"{head}: not pinned (not Linux)"
+    n, cpus = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    ops = cpu_ops() if info.device == "cpu" else None
+    why_not = (
+        "the model is not on the CPU" if info.device != "cpu"
+        else "SLUICE_KERNEL_POOL: its workers are placed by the OS"
+        if envs.get_bool("SLUICE_KERNEL_POOL")
+        else "sluice's CPU kernels are not built" if ops is None
+        else f"{n} compute thread" if n < 2
+        else f"{n} compute threads and {cpus} CPUs" if cpus < n
+        else None
+    )  # fmt: skip
+    if why_not is not None:
+        return f"{head}: not pinned ({why_not})"
+    return f"{head}: {pin_threads(ops.bind_compute_threads, n)}"
 
 
 def set_omp_wait_policy(args: ServerArgs, kernel_pool: bool) -> str:

@@ -1,10 +1,12 @@
-"""Facts about the machine a process runs on: usable cores, free memory, native bfloat16."""
+"""Facts about the machine a process runs on (usable cores, free memory, native bfloat16), and
+where a process's threads run (`pin_threads`)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 # CPU flags (as /proc/cpuinfo names them) of a native bfloat16 matmul, best first
@@ -80,3 +82,42 @@ def omp_wait_policy(setting: str) -> str | None:
     then wakes its threads). On the 2-core Xeon (model 207) the default served a single stream
     at 66.5 tok/s, ACTIVE 24.3 (benchmarks/README.md)."""
     return setting.upper() if setting in ("active", "passive") else None
+
+
+# The CPUs of this process's threads that do not compute, once `pin_threads` ran: every CPU it
+# may use but the first compute thread's (None: nothing was pinned)
+_spare_cpus: frozenset[int] | None = None
+
+
+def pin_threads(bind: Callable[[list[int]], list[int]], num_threads: int) -> str:
+    """Pin this process's compute threads one to a CPU and its other threads off the first
+    one's; the line to log. `bind(cpus)` pins compute thread i to cpus[i] (thread 0 is the
+    caller, the one that runs Python between the kernels) and returns their thread ids.
+
+    Why: on 2 cores, a thread of the scheduler that wakes (zmq's I/O thread, sending a step's
+    output) was placed on the core of the thread that sent it, which then waited 0.5-1 ms for
+    it a step while the other core's compute thread spun (benchmarks/README.md, session 26).
+    Threads started later take the same CPUs when they call `leave_main_cpu` first."""
+    global _spare_cpus
+    cpus = sorted(os.sched_getaffinity(0))
+    tids = bind(cpus[:num_threads])
+    spare = frozenset(cpus) - {cpus[0]}
+    others = sorted(int(t) for t in os.listdir("/proc/self/task") if int(t) not in tids)
+    for tid in others:
+        try:
+            os.sched_setaffinity(tid, spare)
+        except (ProcessLookupError, OSError):  # a thread that ended meanwhile
+            pass
+    _spare_cpus = spare
+    return (
+        f"compute threads on CPUs {cpus[:num_threads]} (the first runs the scheduler's Python), "
+        f"{len(others)} other threads on {sorted(spare)}"
+    )
+
+
+def leave_main_cpu() -> None:
+    """Run the calling thread off the first compute thread's CPU, where `pin_threads` pinned
+    them (else nothing): the start of a thread made after the pinning, which would otherwise
+    take its creator's one CPU."""
+    if _spare_cpus is not None:
+        os.sched_setaffinity(0, _spare_cpus)

@@ -18,6 +18,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,6 +36,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__linux__)
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -1476,6 +1478,36 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
+// Binds the compute threads (at::parallel_for's team: thread 0 is the caller) one to a CPU,
+// thread i to cpus[i], and returns their thread ids, in that order; an empty list where the
+// platform cannot bind (then nothing was changed).
+std::vector<int64_t> bind_compute_threads(const std::vector<int64_t>& cpus) {
+#if defined(__linux__)
+  const int64_t n = at::get_num_threads();
+  TORCH_CHECK(static_cast<int64_t>(cpus.size()) >= n, n, " compute threads need as many CPUs, not ",
+              cpus.size());
+  for (int64_t c : cpus) TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "CPU ", c, " is out of range");
+  std::vector<int64_t> tids(n, -1);
+  std::vector<int> errors(n, 0);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(static_cast<int>(cpus[i]), &set);
+      errors[i] = sched_setaffinity(0, sizeof set, &set) == 0 ? 0 : errno;
+      tids[i] = static_cast<int64_t>(syscall(SYS_gettid));
+    }
+  });
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(errors[i] == 0, "binding compute thread ", i, " to CPU ", cpus[i], " failed: ",
+                std::strerror(errors[i]));
+  return tids;
+#else
+  (void)cpus;
+  return {};
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // A llama-family decoder stack in one call, for decode steps and extends whose attention the
 // kernels take (DecodeLayers, built once at load by sluice.model.fused_decode). It runs the
@@ -2067,6 +2099,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("small_linear_max_rows") = SMALL_LINEAR_MAX_ROWS;
   m.attr("small_linear_k_multiple") = SMALL_LINEAR_K_MULTIPLE;
+  m.def("bind_compute_threads", &bind_compute_threads, pybind11::arg("cpus"));
   m.def("small_linear", &small_linear, pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("bias") = pybind11::none());
   // quant_ops' `_linear_capsule()`: the linear layers of DecodeLayers; false if it does not fit

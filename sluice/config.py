@@ -80,9 +80,10 @@ class ServerArgs:
         "auto",
         "pin the scheduler's compute threads one to a CPU, and its other threads (sockets, "
         "grammar workers) off the CPU of the first, which runs the scheduler's Python: on 2 "
-        "cores, decode-heavy 1.04x (README). auto: on Linux, for a generative model on the CPU "
-        "whose kernels are built, with 2 or more compute threads and as many CPUs, unless "
-        "SLUICE_KERNEL_POOL is set; off: the OS places every thread",
+        "cores, decode-heavy 1.04-1.05x (README). auto: on Linux, for a generative model on the "
+        "CPU, with 2 compute threads that have the process's 2 CPUs to themselves, unless "
+        "SLUICE_KERNEL_POOL or OMP_PLACES / OMP_PROC_BIND / GOMP_CPU_AFFINITY is set; off: the "
+        "OS places every thread",
         choices=["auto", "off"],
     )
     random_seed: int = _opt(0, "seed for requests that do not give one")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -44,7 +45,6 @@ import torch
 
 from sluice.aborts import internal_error
 from sluice.messages import FinishReason
-from sluice.utils.system import leave_main_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -131,16 +131,18 @@ class GrammarManager:
         check_first: bool = True,
     ) -> None:
         self.hf_tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
-        # threads made after the scheduler pinned its own run off its Python thread's CPU
+        # the CPUs of the pools' threads (`--cpu-bind`: off the scheduler's Python thread's);
+        # None: their creator's
+        self.thread_cpus: frozenset[int] | None = None
         self.pool = ThreadPoolExecutor(
-            num_threads, thread_name_prefix="grammar", initializer=leave_main_cpu
+            num_threads, thread_name_prefix="grammar", initializer=self._place_thread
         )
         # masks are filled beside the forward (`overlap`), one step at a time
         self.overlap = overlap
         # plain greedy requests fill a mask only when their grammar refuses their token
         self.check_first = check_first
         self.mask_pool = ThreadPoolExecutor(
-            1, thread_name_prefix="grammar-mask", initializer=leave_main_cpu
+            1, thread_name_prefix="grammar-mask", initializer=self._place_thread
         )
         self.cache: OrderedDict[tuple[str, str], _Job] = OrderedDict()
         self.queue: list[tuple[Any, tuple[str, str], _Job]] = []  # (req, key, its compilation)
@@ -150,6 +152,11 @@ class GrammarManager:
         # llguidance's tokenizer takes about half a second to build, holding the GIL: at
         # start-up, off the loop, rather than when the first grammar arrives
         threading.Thread(target=self._tokenizer, name="grammar-tokenizer", daemon=True).start()
+
+    def _place_thread(self) -> None:
+        """The start of each pool thread (made on first use, after any pinning)."""
+        if self.thread_cpus is not None:
+            os.sched_setaffinity(0, self.thread_cpus)
 
     # ---- compilation --------------------------------------------------------------------
 

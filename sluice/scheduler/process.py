@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.config import ServerArgs
@@ -38,44 +39,88 @@ def run_scheduler_process(args: ServerArgs, addrs: ipc.IpcAddrs, ready_conn: Any
         wait_policy = set_omp_wait_policy(args, kernel_pool=False)
         return run_encoder_process(args, addrs, ready_conn, wait_policy)
     wait_policy = set_omp_wait_policy(args, kernel_pool=True)
+    binding = CpuBinding.plan(args)
 
     def build() -> ModelLoop:
         logger.info(wait_policy)
-        loop = ModelLoop.bind(DecoderCore.load(args), addrs, args.health_timeout)
-        logger.info(bind_cpus(args, loop.info()))  # last: every thread made so far is placed
+        core = DecoderCore.load(args)
+        loop = ModelLoop.bind(core, addrs, args.health_timeout)
+        logger.info(binding.pin(core.info(), core.scheduler.grammars))  # last: after every thread
         return loop
 
     ipc.run_child(PROCESS_TITLE, args.log_level, ready_conn, build)
 
 
-def bind_cpus(args: ServerArgs, info: ModelInfo) -> str:
-    """Pin the scheduler's threads as `--cpu-bind` says (`system.pin_threads`); the line to log.
-    Runs once the model is loaded and the sockets are open, in the thread that runs the loop."""
-    import torch
+# set by the user, these place OpenMP's threads their way: --cpu-bind auto leaves them alone
+OMP_PLACEMENT_VARS = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY")
 
-    from sluice.model.kernels import cpu_ops
-    from sluice.utils import envs
-    from sluice.utils.system import pin_threads
 
-    head = f"--cpu-bind {args.cpu_bind}"
-    if args.cpu_bind == "off":
-        return f"{head}: the OS places every thread"
-    if not hasattr(os, "sched_setaffinity"):
-        return f"{head}: not pinned (not Linux)"
-    n, cpus = torch.get_num_threads(), len(os.sched_getaffinity(0))
-    ops = cpu_ops() if info.device == "cpu" else None
-    why_not = (
-        "the model is not on the CPU" if info.device != "cpu"
-        else "SLUICE_KERNEL_POOL: its workers are placed by the OS"
-        if envs.get_bool("SLUICE_KERNEL_POOL")
-        else "sluice's CPU kernels are not built" if ops is None
-        else f"{n} compute thread" if n < 2
-        else f"{n} compute threads and {cpus} CPUs" if cpus < n
-        else None
-    )  # fmt: skip
-    if why_not is not None:
-        return f"{head}: not pinned ({why_not})"
-    return f"{head}: {pin_threads(ops.bind_compute_threads, n)}"
+@dataclass
+class CpuBinding:
+    """`--cpu-bind`: planned from the arguments (`plan`), carried out once the loop is built
+    (`pin`): compute thread i on CPU i of the process's own, the first being the thread that
+    runs the scheduler's Python, and the process's other threads on the rest.
+
+    Only with 2 compute threads, where it was measured, and where the pins hold: libgomp ends
+    the surplus threads of its pool whenever a region asks for fewer (but more than one) and
+    makes new ones later, which would take their creator's one CPU."""
+
+    setting: str
+    cpus: list[int] | None  # the process's CPUs, one compute thread each; None: nothing pinned
+    reason: str = ""  # why nothing is pinned
+
+    @classmethod
+    def plan(cls, args: ServerArgs) -> CpuBinding:
+        from sluice.utils import envs
+        from sluice.utils.system import available_cpus
+
+        if args.cpu_bind == "off":
+            return cls("off", None, "the OS places every thread")
+        if not hasattr(os, "sched_setaffinity"):
+            return cls("auto", None, "not pinned (not Linux)")
+        given = [var for var in OMP_PLACEMENT_VARS if os.environ.get(var)]
+        cpus = sorted(os.sched_getaffinity(0))
+        threads = args.num_threads or available_cpus()
+        why_not = (
+            "the model is not on the CPU" if args.device.startswith("cuda")
+            else "SLUICE_KERNEL_POOL: its workers are placed by the OS"
+            if envs.get_bool("SLUICE_KERNEL_POOL")
+            else f"{given[0]} is set" if given
+            else f"{threads} compute thread" if threads < 2
+            else f"{threads} compute threads on {len(cpus)} CPUs: the OS keeps them clear of "
+            "other work" if threads != len(cpus)
+            else f"{threads} compute threads: pinned only with 2" if threads > 2
+            else None
+        )  # fmt: skip
+        if why_not is not None:
+            return cls("auto", None, f"not pinned ({why_not})")
+        return cls("auto", cpus)
+
+    def pin(self, info: ModelInfo, grammars: Any | None) -> str:
+        """Pin what the plan says, in the thread that runs the loop; the line to log."""
+        import threading
+
+        from sluice.model.kernels import cpu_ops
+        from sluice.utils.system import pin_threads
+
+        head = f"--cpu-bind {self.setting}"
+        if self.cpus is None:
+            return f"{head}: {self.reason}"
+        ops = cpu_ops() if info.device == "cpu" else None
+        # OpenMP's threads, pinned by the kernels, which return their ids (else only this one)
+        compute = [threading.get_native_id()]
+        if ops is not None:
+            try:
+                compute = ops.bind_compute_threads(self.cpus[: info.num_threads])
+            except RuntimeError as e:  # a smaller team than asked (OMP_DYNAMIC): serve anyway
+                logger.warning("--cpu-bind: %s", e)
+        spare = pin_threads(compute, self.cpus)
+        if grammars is not None:
+            grammars.thread_cpus = spare
+        return (
+            f"{head}: compute threads {compute} on CPUs {self.cpus[: len(compute)]} (the first "
+            f"runs the scheduler's Python), the process's other threads on {sorted(spare)}"
+        )
 
 
 def set_omp_wait_policy(args: ServerArgs, kernel_pool: bool) -> str:

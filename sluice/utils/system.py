@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 # CPU flags (as /proc/cpuinfo names them) of a native bfloat16 matmul, best first
@@ -84,40 +83,21 @@ def omp_wait_policy(setting: str) -> str | None:
     return setting.upper() if setting in ("active", "passive") else None
 
 
-# The CPUs of this process's threads that do not compute, once `pin_threads` ran: every CPU it
-# may use but the first compute thread's (None: nothing was pinned)
-_spare_cpus: frozenset[int] | None = None
+def pin_threads(compute_tids: list[int], cpus: list[int]) -> frozenset[int]:
+    """Move every thread of this process but `compute_tids` (pinned already) to `cpus` but the
+    first, the CPU of the thread that runs the scheduler's Python; returns that set, where
+    threads made later belong too (they would take their creator's one CPU).
 
-
-def pin_threads(bind: Callable[[list[int]], list[int]], num_threads: int) -> str:
-    """Pin this process's compute threads one to a CPU and its other threads off the first
-    one's; the line to log. `bind(cpus)` pins compute thread i to cpus[i] (thread 0 is the
-    caller, the one that runs Python between the kernels) and returns their thread ids.
-
-    Why: on 2 cores, a thread of the scheduler that wakes (zmq's I/O thread, sending a step's
-    output) was placed on the core of the thread that sent it, which then waited 0.5-1 ms for
-    it a step while the other core's compute thread spun (benchmarks/README.md, session 26).
-    Threads started later take the same CPUs when they call `leave_main_cpu` first."""
-    global _spare_cpus
-    cpus = sorted(os.sched_getaffinity(0))
-    tids = bind(cpus[:num_threads])
+    Why: a woken thread is placed on its waker's core. Unpinned, zmq's I/O thread, woken by the
+    send of each step's output, took the core of the scheduler's Python thread, which waited
+    0.6-1.1 ms of a 30 ms step for it while the other core's compute thread spun
+    (benchmarks/README.md, session 26)."""
     spare = frozenset(cpus) - {cpus[0]}
-    others = sorted(int(t) for t in os.listdir("/proc/self/task") if int(t) not in tids)
-    for tid in others:
+    for name in os.listdir("/proc/self/task"):
+        if int(name) in compute_tids:
+            continue
         try:
-            os.sched_setaffinity(tid, spare)
-        except (ProcessLookupError, OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(name), spare)
+        except ProcessLookupError:  # a thread that ended meanwhile
             pass
-    _spare_cpus = spare
-    return (
-        f"compute threads on CPUs {cpus[:num_threads]} (the first runs the scheduler's Python), "
-        f"{len(others)} other threads on {sorted(spare)}"
-    )
-
-
-def leave_main_cpu() -> None:
-    """Run the calling thread off the first compute thread's CPU, where `pin_threads` pinned
-    them (else nothing): the start of a thread made after the pinning, which would otherwise
-    take its creator's one CPU."""
-    if _spare_cpus is not None:
-        os.sched_setaffinity(0, _spare_cpus)
+    return spare

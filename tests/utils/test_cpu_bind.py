@@ -13,11 +13,11 @@ import pytest
 
 from sluice.config import ServerArgs
 from sluice.messages import ModelInfo
-from sluice.scheduler.process import bind_cpus
+from sluice.scheduler.process import CpuBinding
 
+LINUX = hasattr(os, "sched_getaffinity")
 TWO_CPUS = pytest.mark.skipif(
-    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-    reason="pinning needs Linux and 2 CPUs",
+    not LINUX or len(os.sched_getaffinity(0)) < 2, reason="pinning needs Linux and 2 CPUs"
 )
 
 
@@ -29,14 +29,6 @@ def _run(code: str) -> str:
     return res.stdout
 
 
-def _info(device: str = "cpu") -> ModelInfo:
-    return ModelInfo(
-        model_name="m", hf_dir="/m", context_len=8, vocab_size=8, dimensions=8,
-        max_total_tokens=8, max_running_requests=1, num_threads=2, device=device,
-        dtype="float32",
-    )  # fmt: skip
-
-
 @TWO_CPUS
 def test_each_compute_thread_gets_its_own_cpu() -> None:
     out = _run(
@@ -44,6 +36,9 @@ def test_each_compute_thread_gets_its_own_cpu() -> None:
         import os, threading, torch
         from sluice.model import kernels
         ops = kernels.cpu_ops()
+        if ops is None:
+            print("NO KERNELS")
+            raise SystemExit
         torch.set_num_threads(2)
         cpus = sorted(os.sched_getaffinity(0))[:2]
         tids = ops.bind_compute_threads(cpus)
@@ -61,70 +56,85 @@ def test_each_compute_thread_gets_its_own_cpu() -> None:
         print("OK")
         """
     )
+    if "NO KERNELS" in out:
+        pytest.skip("sluice's CPU kernels are not built here")
     assert out.strip().endswith("OK")
 
 
 @TWO_CPUS
 def test_the_other_threads_leave_the_first_cpu() -> None:
-    # a stand-in for the kernels' binding that pins only the calling thread: the sweep must move
-    # a thread started before it and one started after (leave_main_cpu), and not the caller
+    # the first thread pinned by hand, a second one standing for another compute thread: the
+    # sweep moves a thread started before it, and leaves both of those as they are
     out = _run(
         """
         import os, threading, time
-        from concurrent.futures import ThreadPoolExecutor
-        from sluice.utils import system
+        from sluice.utils.system import pin_threads
         cpus = sorted(os.sched_getaffinity(0))
-        before_tid = []
-        stop = threading.Event()
-        def idle():
-            before_tid.append(threading.get_native_id())
+        tids, stop = {}, threading.Event()
+        def idle(name):
+            tids[name] = threading.get_native_id()
             stop.wait()
-        threading.Thread(target=idle, daemon=True).start()
-        while not before_tid:
+        for name in ("compute", "other"):
+            threading.Thread(target=idle, args=(name,), daemon=True).start()
+        while len(tids) < 2:
             time.sleep(0.01)
-        def bind(chosen):
-            os.sched_setaffinity(0, {chosen[0]})
-            return [threading.get_native_id()]
-        line = system.pin_threads(bind, 1)
-        spare = set(cpus) - {cpus[0]}
+        os.sched_setaffinity(0, {cpus[0]})
+        os.sched_setaffinity(tids["compute"], {cpus[-1]})
+        spare = pin_threads([threading.get_native_id(), tids["compute"]], cpus)
+        assert spare == set(cpus) - {cpus[0]}
         assert os.sched_getaffinity(0) == {cpus[0]}
-        assert os.sched_getaffinity(before_tid[0]) == spare
-        with ThreadPoolExecutor(1, initializer=system.leave_main_cpu) as pool:
-            assert pool.submit(os.sched_getaffinity, 0).result() == spare
-        # without the initializer a new thread takes its creator's one CPU
-        with ThreadPoolExecutor(1) as pool:
-            assert pool.submit(os.sched_getaffinity, 0).result() == {cpus[0]}
+        assert os.sched_getaffinity(tids["compute"]) == {cpus[-1]}
+        assert os.sched_getaffinity(tids["other"]) == spare
         stop.set()
-        print(line)
+        print("OK")
         """
     )
-    assert f"compute threads on CPUs [{sorted(os.sched_getaffinity(0))[0]}]" in out
+    assert out.strip() == "OK"
 
 
-def test_where_nothing_is_pinned_the_line_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SLUICE_KERNEL_POOL", raising=False)
-    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    assert bind_cpus(ServerArgs(cpu_bind="off"), _info()).endswith("the OS places every thread")
-    assert "not on the CPU" in bind_cpus(ServerArgs(), _info("cuda:0"))
-    monkeypatch.setenv("SLUICE_KERNEL_POOL", "1")
-    assert "SLUICE_KERNEL_POOL" in bind_cpus(ServerArgs(), _info())
-    if before is not None:  # none of them pinned this process
-        assert os.sched_getaffinity(0) == before
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The variables a plan reads or sets, recorded so that the test's changes are undone."""
+    for var in ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "SLUICE_KERNEL_POOL"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    return monkeypatch
 
 
-def test_one_compute_thread_is_not_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+def test_a_plan_pins_two_threads_that_have_the_cpus_to_themselves(env: pytest.MonkeyPatch) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    n = len(cpus)
+    not_pinned = {
+        "the OS places every thread": ServerArgs(cpu_bind="off", num_threads=n),
+        "not on the CPU": ServerArgs(device="cuda", num_threads=n),
+        f"{n + 1} compute threads on {n} CPUs": ServerArgs(num_threads=n + 1),
+        "1 compute thread": ServerArgs(num_threads=1),
+    }
+    if n > 2:
+        not_pinned[f"{n} compute threads: pinned only with 2"] = ServerArgs(num_threads=n)
+    for why, args in not_pinned.items():
+        plan = CpuBinding.plan(args)
+        assert plan.cpus is None and why in plan.reason, (why, plan)
+    env.setenv("SLUICE_KERNEL_POOL", "1")
+    assert "SLUICE_KERNEL_POOL" in CpuBinding.plan(ServerArgs(num_threads=n)).reason
+    env.delenv("SLUICE_KERNEL_POOL")
+    env.setenv("OMP_PROC_BIND", "spread")  # the user's own placement stays
+    assert "OMP_PROC_BIND is set" in CpuBinding.plan(ServerArgs(num_threads=n)).reason
+    env.delenv("OMP_PROC_BIND")
+    if n == 2:
+        assert CpuBinding.plan(ServerArgs()).cpus == cpus
+        assert "OMP_PLACES" not in os.environ  # OpenMP is left to its own placement
 
-    if not hasattr(os, "sched_getaffinity"):
-        pytest.skip("Linux only")
-    monkeypatch.delenv("SLUICE_KERNEL_POOL", raising=False)
-    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        line = bind_cpus(ServerArgs(), _info())
-    finally:
-        torch.set_num_threads(threads)
-    assert "not pinned" in line and os.sched_getaffinity(0) == before
+
+def test_where_nothing_is_pinned_the_line_says_why() -> None:
+    info = ModelInfo(
+        model_name="m", hf_dir="/m", context_len=8, vocab_size=8, dimensions=8,
+        max_total_tokens=8, max_running_requests=1, num_threads=2, device="cpu",
+        dtype="float32",
+    )  # fmt: skip
+    line = CpuBinding("auto", None, "not pinned (1 compute thread)").pin(info, None)
+    assert line == "--cpu-bind auto: not pinned (1 compute thread)"
 
 
 def test_the_flag_takes_auto_or_off() -> None:

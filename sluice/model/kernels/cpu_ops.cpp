@@ -1501,6 +1501,10 @@ std::vector<int64_t> bind_compute_threads(const std::vector<int64_t>& cpus) {
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(errors[i] == 0, "binding compute thread ", i, " to CPU ", cpus[i], " failed: ",
                 std::strerror(errors[i]));
+  std::vector<int64_t> distinct(tids);
+  std::sort(distinct.begin(), distinct.end());
+  TORCH_CHECK(std::adjacent_find(distinct.begin(), distinct.end()) == distinct.end(),
+              "the parallel region ran on fewer than ", n, " threads: nothing is pinned one to a CPU");
   return tids;
 #else
   (void)cpus;

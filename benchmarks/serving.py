@@ -175,6 +175,40 @@ def make_prompts(tokenizer, wl: Workload, num: int, seed: int) -> list[list[int]
 _EVENT = msgspec.json.Decoder()  # one streamed event's JSON
 
 
+@dataclass
+class _Events:
+    """What one stream's events said so far, and when its token events came."""
+
+    last: float  # the time of the last token event (at first, of the request)
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    chunks: int = 0
+    usage: dict | None = None
+    texts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def take(self, line: bytes, now: float) -> bool:
+        """One line of the stream, arrived at `now`; True at `data: [DONE]`."""
+        if not line.startswith(b"data:"):
+            return False  # a comment, an empty line, another field
+        event = line[5:].strip()
+        if event == b"[DONE]":
+            return True
+        msg = _EVENT.decode(event)
+        self.usage = msg.get("usage") or self.usage
+        for choice in msg.get("choices") or []:
+            self.texts.append(_chunk_text(choice))
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if _is_token_chunk(msg):
+            gap = now - self.last  # for the first token event: from the request's start
+            if self.ttft is None:
+                self.ttft = gap
+            else:
+                self.itls.append(gap)
+            self.last, self.chunks = now, self.chunks + 1
+        return False
+
+
 def _payload(prompt: list[int], output_len: int) -> dict:
     # ignore_eos/max_tokens for sluice; n_predict is llama-server's name, ignored by sluice
     return {
@@ -222,10 +256,8 @@ async def stream_request(
     this client shares the server's cores, and per token it cost them about half of what
     aiohttp's line-by-line reader and json.loads did."""
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    start = last = time.perf_counter()
-    ttft, itls, chunks, usage = None, [], 0, None
-    texts: list[str] = []
-    finish_reason = None
+    start = time.perf_counter()
+    seen = _Events(start)
     async with client.post(url, data=body, headers=JSON) as resp:
         if resp.status != 200:
             text = (await resp.read()).decode(errors="replace")
@@ -235,34 +267,18 @@ async def stream_request(
             now = time.perf_counter()  # the arrival of every event in this read
             lines = (pending + data).split(b"\n")
             pending = lines.pop()
-            for raw in lines:
-                if not raw.startswith(b"data:"):
-                    continue
-                event = raw[5:].strip()
-                if event == b"[DONE]":
-                    break
-                msg = _EVENT.decode(event)
-                usage = msg.get("usage") or usage
-                for choice in msg.get("choices") or []:
-                    texts.append(_chunk_text(choice))
-                    finish_reason = choice.get("finish_reason") or finish_reason
-                if not _is_token_chunk(msg):
-                    continue
-                if ttft is None:
-                    ttft = now - start
-                else:
-                    itls.append(now - last)
-                last, chunks = now, chunks + 1
-            else:
-                continue
-            break  # [DONE]
+            if any(seen.take(line, now) for line in lines):
+                break
+        else:  # the stream closed: a last event may lack its line end
+            seen.take(pending, time.perf_counter())
+    usage, chunks = seen.usage, seen.chunks
     tokens = int(usage["completion_tokens"]) if usage else chunks
     return RequestStats(
-        ttft=ttft if ttft is not None else last - start,
-        itls=itls,
+        ttft=seen.ttft if seen.ttft is not None else seen.last - start,
+        itls=seen.itls,
         output_tokens=tokens,
-        text="".join(texts),
-        finish_reason=finish_reason,
+        text="".join(seen.texts),
+        finish_reason=seen.finish_reason,
         start=start,
     )
 

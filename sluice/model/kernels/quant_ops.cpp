@@ -1481,7 +1481,10 @@ inline void packed_micro(const QuantX& qx, int64_t m0, const uint8_t* const* til
 #pragma GCC unroll 2
     for (int t = 0; t < TL; ++t) {
       p[t] = tile[t] + b * PACK_BYTES;
-      _mm_prefetch(reinterpret_cast<const char*>(p[t]) + 4 * PACK_BYTES, _MM_HINT_T0);
+      // 4 blocks ahead, past the tile's end into the next one's start (as an integer: past the
+      // buffer's end at its last tile, which a prefetch may touch but a pointer may not)
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(p[t]) + 4 * PACK_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
@@ -1585,13 +1588,16 @@ void packed_gemm(const at::BFloat16* x, const uint8_t* pp, const float* bp, at::
       const int64_t me = std::min(M, mb + PACKED_M_BLOCK), passes = (me - mb + 3) / 4;
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t t0 = 2 * c;
-        // While a pair is computed, the thread's next pair is fetched into L2, a slice at each
-        // pass over 4 rows of x: a decode step's weights come from L3 or memory, and the first
-        // pass over a pair would otherwise wait for them. The GEMMs of a 32-row decode step of
-        // SmolLM2-135M (Xeon model 207): 5-9% less time; the whole pair at the first pass: none.
-        const int64_t next_bytes = c + 1 < c1 ? std::min<int64_t>(2, tiles - t0 - 2) * tile_bytes : 0;
+        // While a pair is computed, the next pair of this chunk [c0, c1) is fetched into L2, a
+        // slice at each pass over 4 rows of x (the first pair of a chunk is not): a decode
+        // step's weights come from L3 or memory, and the first pass over a pair would otherwise
+        // wait for them. The GEMMs of a 32-row decode step of SmolLM2-135M (Xeon model 207,
+        // at::parallel_for's one chunk a thread): 5-9% less time; fetching the whole next pair
+        // at the first pass instead gave nothing.
+        const int64_t next_bytes =
+            c + 1 < c1 ? std::min<int64_t>(2, tiles - t0 - 2) * tile_bytes : 0;
         const uint8_t* next = next_bytes ? pp + (t0 + 2) * tile_bytes : pp;
-        const int64_t slice = (next_bytes / passes + 63) / 64 * 64;
+        const int64_t slice = (next_bytes + 64 * passes - 1) / (64 * passes) * 64;
         for (int64_t m = mb, k = 0; m < me; m += 4, ++k) {
           for (int64_t i = k * slice; i < std::min(next_bytes, (k + 1) * slice); i += 64)
             _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T1);

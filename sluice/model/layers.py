@@ -19,6 +19,7 @@ from sluice.model.attention import (
 from sluice.model.attention import cuda_sdpa_backends as cuda_sdpa_backends  # re-exported
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.kv_cache import KVCache
+from sluice.utils import envs
 
 
 class RMSNorm(nn.Module):
@@ -115,6 +116,12 @@ class PackedLinear(nn.Module):
     Larger float32 batches (prefill) go through it in blocks of that many rows, 15% faster here
     than the plain weight (about 210 vs 180 GFLOP/s); larger bfloat16 ones use the plain weight,
     kept beside the packed one, which is as fast there.
+
+    Where the CPU has AMX tiles, larger bfloat16 batches instead take sluice's AMX GEMM
+    (`amx_linear` in cpu_ops.cpp) on a third copy laid out for it: the same float32 sums rounded
+    once, in another order. A gate_up projection (`fuse_silu_mul`) then also gives its
+    activation from the GEMM's last step (`silu_mul`), without writing the [rows, 2 x
+    intermediate] product out and reading it back.
     """
 
     PACKED_MAX_ROWS = 64
@@ -128,6 +135,10 @@ class PackedLinear(nn.Module):
         self.weight = weight.detach()  # [out_features, in_features]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)  # opaque layout
         self.bias = None if bias is None else bias.detach()
+        self.amx_ops = _amx_ops(self.weight)  # cpu_ops() where this weight can take AMX tiles
+        self.amx = None if self.amx_ops is None else self.amx_ops.amx_pack_linear(self.weight)
+        self.amx_bias = self.bias
+        self.amx_gated = False  # `amx` holds the rows of a gate_up layer paired for silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, in_features] -> [N, out_features]
@@ -142,10 +153,53 @@ class PackedLinear(nn.Module):
             return self._packed(x)
         if x.dtype == torch.float32:
             return torch.cat([self._packed(block) for block in x.split(self.PACKED_MAX_ROWS)])
+        if self.amx is not None and not self.amx_gated:
+            return self.amx_ops.amx_linear(x, self.amx, self.weight.shape[0], self.amx_bias)
         return F.linear(x, self.weight, self.bias)
+
+    def fuse_silu_mul(self) -> bool:
+        """For a gate_up projection (the gate's rows, then as many of the up's): pair the AMX
+        copy's rows, 16 of the gate's with their 16 of the up's, so that `silu_mul` can give
+        silu(gate) * up from the GEMM. Plain calls of the layer then leave the AMX GEMM for
+        oneDNN's. False, and nothing changed, without the AMX copy or for an intermediate size
+        that is not a multiple of 16."""
+        out = self.weight.shape[0]
+        if self.amx is None or out % 32:
+            return False
+        pairs = out // 32
+
+        def paired(t: torch.Tensor) -> torch.Tensor:  # [2 I, ...] -> [I / 16, 2, 16, ...] rows
+            return t.reshape(2, pairs, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+        self.amx = self.amx_ops.amx_pack_linear(paired(self.weight))
+        self.amx_bias = None if self.bias is None else paired(self.bias)
+        self.amx_gated = True
+        return True
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate_up layer's output for x [N, in_features] (what the
+        kernels' silu_and_mul gives on `self(x)`, bit for bit), computed in the AMX GEMM; None
+        where these rows do not take it (`fuse_silu_mul` not done, or a batch of at most
+        PACKED_MAX_ROWS rows), and the caller computes the two steps."""
+        if not self.amx_gated or x.shape[0] <= self.PACKED_MAX_ROWS or x.dtype != torch.bfloat16:
+            return None
+        return self.amx_ops.amx_linear(x, self.amx, self.weight.shape[0], self.amx_bias, True)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _amx_ops(weight: torch.Tensor) -> Any | None:
+    """sluice's CPU kernels where `weight` [out, in] can take their AMX GEMM: bfloat16, in a
+    multiple of 32, built with AMX tiles on a CPU that lets this process use them."""
+    if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or weight.device.type != "cpu":
+        return None
+    if not envs.get_bool("SLUICE_AMX_LINEAR"):
+        return None
+    from sluice.model.kernels import cpu_ops
+
+    ops = cpu_ops()
+    return ops if ops is not None and ops.amx_linear_ok() else None
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:

@@ -121,14 +121,33 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
-        rows = x.shape[0]
-        packed = self.packed is not None and self.packed_min_rows <= rows <= self.packed_max_rows
-        if packed and x.dtype == torch.bfloat16:
+        if self.packed_takes(x):
             return self.ops.packed_linear(x, self.packed, self.out_features, self.bias)
-        if self.dense is not None and rows >= self.dense_min_rows:
+        if self.dense is not None and x.shape[0] >= self.dense_min_rows:
             return self.dense(x)
         return self.ops.quant_linear(
             x.contiguous(), self.qweight, self.kernel_type, self.bias, self.int8_activations
+        )
+
+    def fuse_silu_mul(self) -> bool:
+        """A gate_up projection's float copy (PackedLinear.fuse_silu_mul); False without one."""
+        fuse = getattr(self.dense, "fuse_silu_mul", None)
+        return fuse is not None and fuse()
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up from the float copy's GEMM (PackedLinear.silu_mul) for the batches
+        the copy takes, else None."""
+        if self.dense is None or x.shape[0] < self.dense_min_rows or self.packed_takes(x):
+            return None
+        silu_mul = getattr(self.dense, "silu_mul", None)
+        return None if silu_mul is None else silu_mul(x)
+
+    def packed_takes(self, x: torch.Tensor) -> bool:
+        rows = x.shape[0]
+        return (
+            self.packed is not None
+            and self.packed_min_rows <= rows <= self.packed_max_rows
+            and x.dtype == torch.bfloat16
         )
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -238,7 +257,8 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
         module.keep_dense(dtype)
         if module.can_interleave(dtype):  # after keep_dense: it reads the GGUF blocks as they are
             module.interleave()
-        for copy in (module.packed, getattr(module.dense, "weight", None)):
+        dense = module.dense
+        for copy in (module.packed, getattr(dense, "weight", None), getattr(dense, "amx", None)):
             total += 0 if copy is None else copy.numel() * copy.element_size()
         shape = (module.in_features, module.out_features, module.bias is not None)
         if isinstance(module.dense, PackedLinear) and shape not in warmed:
@@ -254,9 +274,12 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
         more = "the blocks repacked for the integer GEMM"
     else:  # AMX
         most = packed[0].packed_max_rows
+        gemm = "oneDNN's AMX GEMM"
+        if getattr(packed[0].dense, "amx", None) is not None:
+            gemm += f", sluice's past {PackedLinear.PACKED_MAX_ROWS} rows on a copy of its own"
         more = (
             f"the blocks repacked for the integer GEMM up to {most} rows and a {float_copy} "
-            f"(oneDNN's AMX GEMM) past {most}"
+            f"({gemm}) past {most}"
         )
     woven = sum(m.kernel_type != m.qtype for m in modules)
     logger.info(

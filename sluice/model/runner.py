@@ -18,7 +18,7 @@ from sluice.model.attention import select_backends
 from sluice.model.forward_batch import ForwardBatch, ForwardOutput
 from sluice.model.fused_decode import install_fused_decode
 from sluice.model.kv_cache import KVCache
-from sluice.model.layers import PagedAttention, can_pack_linears, pack_linears
+from sluice.model.layers import PackedLinear, PagedAttention, can_pack_linears, pack_linears
 from sluice.model.loader import iter_hf_weights
 from sluice.model.models.idefics3 import (
     Idefics3ForConditionalGeneration,
@@ -196,6 +196,16 @@ def _use_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, hea
             module.backends = backends
         elif hasattr(type(module), "cpu_ops"):
             module.cpu_ops = ops
+    fused = 0  # gate_up projections that give their SiLU from their GEMM (PackedLinear)
+    for module in model.modules():
+        fuse = getattr(getattr(module, "gate_up_proj", None), "fuse_silu_mul", None)
+        fused += ops is not None and fuse is not None and fuse()
+    amx = sum(isinstance(m, PackedLinear) and m.amx is not None for m in model.modules())
+    if amx:
+        logger.info(
+            "%d linear layers take batches of more than %d rows on sluice's AMX GEMM (%d gate_up "
+            "projections with their SiLU in it)", amx, PackedLinear.PACKED_MAX_ROWS, fused,
+        )  # fmt: skip
 
 
 def _init_buffers(model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device) -> None:

@@ -49,6 +49,12 @@ ENV_VARS: dict[str, EnvVar] = {
         "decode steps of up to 8 rows through a model whose linear layers are GGUF blocks run "
         "all decoder layers in one C++ call (sluice.model.fused_decode); 0: layer by layer",
     ),
+    "SLUICE_AMX_LINEAR": EnvVar(
+        "1",
+        "on CPUs with AMX, bfloat16 linear layers take batches of more than 64 rows (prefills) "
+        "through sluice's AMX GEMM, a gate_up projection with its SiLU in the same pass; 0: "
+        "oneDNN's GEMM (read when a layer is made)",
+    ),
     "SLUICE_CUDA_SDPA": EnvVar(
         "flash,efficient,math",
         "the attention kernels PyTorch's SDPA may choose from on CUDA, comma-separated, of "

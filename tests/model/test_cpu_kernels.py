@@ -530,6 +530,124 @@ def test_packed_linear_takes_the_kernel_for_a_few_rows_only(native_ops) -> None:
     assert calls == [1, 4]
 
 
+def _needs_amx(ops) -> None:
+    if not ops.amx_linear_ok():
+        pytest.skip("no AMX tiles here (amx_linear_ok)")
+
+
+@pytest.mark.parametrize("rows", [1, 31, 33, 100, 300])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 96), (576, 1536)])  # a tail; 3 K passes
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_amx_linear_matches_f_linear(native_ops, rows, n, k, with_bias) -> None:
+    """The AMX GEMM on bfloat16 (`amx_linear` on `amx_pack_linear`'s layout): float32 sums
+    rounded once, so within a rounding step of the float32 result; and the same bits on one
+    thread as on two (each output is summed within one task)."""
+    ops = native_ops
+    _needs_amx(ops)
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    packed = ops.amx_pack_linear(w)
+    got = ops.amx_linear(x, packed, n, bias)
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=8e-3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.amx_linear(x, packed, n, bias), got)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [7, 100])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_amx_linear_silu_mul_is_silu_and_mul_of_the_product(native_ops, rows, with_bias) -> None:
+    """With the rows of gate and up paired by 16, `silu_mul` gives what silu_and_mul gives on
+    the plain product, bit for bit."""
+    ops = native_ops
+    _needs_amx(ops)
+    inter, k = 96, 64
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = (torch.randn(2 * inter, k, generator=gen) / 4).bfloat16()
+    bias = torch.randn(2 * inter, generator=gen).bfloat16() if with_bias else None
+    want = ops.silu_and_mul(ops.amx_linear(x, ops.amx_pack_linear(w), 2 * inter, bias))
+
+    def paired(t):
+        return t.reshape(2, inter // 16, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    got = ops.amx_linear(
+        x, ops.amx_pack_linear(paired(w)), 2 * inter, None if bias is None else paired(bias), True
+    )
+    assert torch.equal(got, want)
+
+
+def test_amx_linear_refuses_what_it_cannot_take(native_ops) -> None:
+    ops = native_ops
+    _needs_amx(ops)
+    w = torch.randn(64, 64).bfloat16()
+    packed = ops.amx_pack_linear(w)
+    x = torch.randn(40, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="in_features 40 is not a multiple of 32"):
+        ops.amx_pack_linear(torch.randn(8, 40).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.amx_pack_linear(w.float())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.amx_linear(x.float(), packed, 64)
+    with pytest.raises(RuntimeError, match="does not hold 96 outputs of 64 values"):
+        ops.amx_linear(x, packed, 96)
+    with pytest.raises(RuntimeError, match="bias of 64 values"):
+        ops.amx_linear(x, packed, 64, torch.zeros(63))
+    with pytest.raises(RuntimeError, match="pairs of 16"):
+        ops.amx_linear(x, ops.amx_pack_linear(w[:48]), 48, None, True)
+
+
+def test_packed_linear_takes_the_amx_gemm_past_its_packed_rows(native_ops, monkeypatch) -> None:
+    """A bfloat16 PackedLinear: batches of more than PACKED_MAX_ROWS rows on the AMX GEMM; as a
+    gate_up projection (`fuse_silu_mul`), `silu_mul` gives silu_and_mul of the layer's output
+    bit for bit from those batches, None for smaller ones, and the plain output stays right.
+    SLUICE_AMX_LINEAR=0 leaves the layer without the AMX copy."""
+    _needs_amx(native_ops)
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(2 * 48, 64, generator=gen) / 8).bfloat16()
+    bias = torch.randn(2 * 48, generator=gen).bfloat16()
+    layer = PackedLinear(w, bias)
+    layer.cpu_ops = native_ops
+    assert layer.amx is not None
+    x = torch.randn(PackedLinear.PACKED_MAX_ROWS + 9, 64, generator=gen).bfloat16()
+    plain = layer(x)
+    assert torch.equal(plain, native_ops.amx_linear(x, layer.amx, 96, bias))
+    assert layer.silu_mul(x) is None  # not a gate_up layer yet
+    assert layer.fuse_silu_mul()
+    assert torch.equal(layer.silu_mul(x), native_ops.silu_and_mul(plain))
+    torch.testing.assert_close(layer(x).float(), plain.float(), atol=0, rtol=8e-3)
+    assert layer.silu_mul(x[: PackedLinear.PACKED_MAX_ROWS]) is None
+    odd = PackedLinear(torch.randn(40, 64).bfloat16(), None)  # 20 gate rows: not pairs of 16
+    assert odd.amx is not None and not odd.fuse_silu_mul()
+    monkeypatch.setenv("SLUICE_AMX_LINEAR", "0")
+    assert PackedLinear(w, bias).amx is None
+
+
+def test_a_bfloat16_mlp_takes_its_silu_from_the_gate_up_gemm(tiny_llama_dir, native_ops) -> None:
+    """A bfloat16 model on a CPU with AMX: every gate_up projection is fused at load, and an
+    MLP's output over many rows is the unfused one's, bit for bit."""
+    _needs_amx(native_ops)
+    runner = ModelRunner(
+        ModelConfig.from_hf_dir(tiny_llama_dir), torch.device("cpu"), torch.bfloat16, kv_size=64
+    )
+    mlps = [m for m in runner.model.modules() if isinstance(m, LlamaMLP)]
+    assert mlps and all(m.gate_up_proj.amx_gated for m in mlps)
+    mlp = mlps[0]
+    x = torch.randn(PackedLinear.PACKED_MAX_ROWS * 2, mlp.gate_up_proj.weight.shape[1]).bfloat16()
+    with torch.inference_mode():
+        fused = mlp(x)
+        gate_up = mlp.gate_up_proj  # back to the plain layout: its GEMM, then silu_and_mul
+        gate_up.amx, gate_up.amx_gated = native_ops.amx_pack_linear(gate_up.weight), False
+        assert torch.equal(mlp(x), fused)
+
+
 def _modules_with_ops(runner: ModelRunner) -> dict[type, list]:
     found: dict[type, list] = {}
     for module in runner.model.modules():

@@ -341,6 +341,33 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
     assert torch.equal(amx(many[:most]), packed_ops.packed_linear(many[:most], packed, 40, None))
 
 
+def test_a_quant_gate_up_gives_its_silu_from_its_float_copys_amx_gemm(packed_ops, monkeypatch):
+    """On a CPU with AMX, a block-weight gate_up projection's float copy (a PackedLinear) can
+    give silu(gate) * up from its GEMM (`fuse_silu_mul`): `silu_mul` delegates to it for the
+    batches that copy takes past its oneDNN rows, and answers None for the others (the integer
+    GEMM's, oneDNN's), where the MLP computes the two steps."""
+    from sluice.model.kernels import cpu_ops
+    from sluice.model.layers import PackedLinear
+
+    ops = cpu_ops()
+    if ops is None or not ops.amx_linear_ok():
+        pytest.skip("no AMX tiles here (amx_linear_ok)")
+    monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "1")
+    monkeypatch.setattr(quant_module, "has_amx_bf16", lambda: True)
+    raw, _ = _blocks(64, 96, T.Q4_1)  # 32 gate rows, 32 up rows
+    layer = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
+    layer.keep_dense(torch.bfloat16, min_rows=16)
+    assert isinstance(layer.dense, PackedLinear) and layer.fuse_silu_mul()
+    most = PackedLinear.PACKED_MAX_ROWS
+    for rows in (20, QuantLinear.AMX_PACKED_MAX_ROWS + 1, most):
+        assert layer.silu_mul(torch.randn(rows, 96).bfloat16()) is None
+    x = torch.randn(most + 1, 96).bfloat16()
+    product = ops.amx_linear(x, ops.amx_pack_linear(layer.dense.weight), 64)
+    assert torch.equal(layer.silu_mul(x), ops.silu_and_mul(product))
+    plain = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)  # no float copy: nothing fused
+    assert not plain.fuse_silu_mul() and plain.silu_mul(x) is None
+
+
 # N = 16 (one tile), 33, 37, 70 (tiles then 1-6 GGUF rows), 5 (no tile: GGUF rows only), 600
 # (37 tiles, then 8 rows); K = 32 * an odd number of blocks in most; M = 1..8 (one pass) and 13
 # (two). At one and two rows the kernel reads up to 8 tiles at once, a range's last ones 4, 2,

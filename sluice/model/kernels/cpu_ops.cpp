@@ -18,6 +18,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -914,6 +915,151 @@ void amx_dense_attention(const at::Tensor& q, const at::Tensor& k_pool, const at
     _tile_release();
   });
 }
+
+// ---------------------------------------------------------------------------------------------
+// A bfloat16 linear layer on AMX tiles for batches of many rows (prefills): y = x w^T + bias,
+// float32 sums rounded once to bfloat16, as oneDNN's AMX GEMM gives them (on the Xeon model 207,
+// SmolLM2's shapes, all but 0 to 5 in 10^5 outputs have the same bits). w is laid out once
+// (amx_pack_linear) as the tiles' B operand: for each 32 outputs and each 32 values of K, two
+// tiles of 16 outputs whose row j holds k = 2j and 2j + 1 of every output. Each 32 x 32 block
+// of y takes 4 accumulator tiles over K, x's 32 rows read in place as A tiles and kept in L1 (K
+// in passes of at most AMX_LINEAR_KC values), w's tiles streamed past L1 from L2 (TILELOADDT1).
+//
+// The work is cut in tasks, a slice of w (at most AMX_LINEAR_SLICE blocks of 32 outputs, its B
+// tiles read into L2 once, the first row block fetching each next block ahead) by a group of row
+// blocks, that the threads claim one at a time rather than split evenly up front: on a shared
+// machine one core's AMX unit can run at a quarter of the other's speed for seconds at a time
+// (Xeon model 207 under KVM, each core alone: 510 to 2300 GFLOP/s within a minute), and a fixed
+// half would leave the fast core waiting for the slow one. Figures: benchmarks/README.md.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t AMX_LINEAR_SLICE = 8;
+constexpr int64_t AMX_LINEAR_KC = 512;  // values of K a pass holds x's 32 rows of in L1 (32 KB)
+
+void amx_pack_impl(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
+  const int64_t NB = (N + 31) / 32, KS = K / 32;
+  sluice::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t ks = 0; ks < KS; ++ks)
+        for (int64_t h = 0; h < 2; ++h) {
+          uint16_t* t = out + ((nb * KS + ks) * 2 + h) * TILE_ELEMS;
+          for (int64_t c = 0; c < 16; ++c) {
+            const int64_t n = nb * 32 + h * 16 + c;
+            for (int64_t j = 0; j < 32; ++j)
+              t[(j / 2) * 32 + c * 2 + j % 2] = n < N ? w[n * K + ks * 32 + j] : 0;
+          }
+        }
+  });
+}
+
+// Adds `steps` 32-value steps of K to the 4 accumulator tiles: a, 32 rows of x (row stride lda
+// values), b the B tiles of 32 outputs; `ahead`, if not null, the B tiles to fetch into L2.
+inline void amx_linear_steps(const at::BFloat16* a, int64_t lda, const uint16_t* b, int64_t steps,
+                             const uint16_t* ahead) {
+  for (int64_t ks = 0; ks < steps; ++ks) {
+    if (ahead)
+      for (int64_t l = 0; l < 2 * TILE_ELEMS; l += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + ks * 2 * TILE_ELEMS + l), _MM_HINT_T1);
+    _tile_loadd(4, a + ks * 32, lda * 2);
+    _tile_stream_loadd(6, b + ks * 2 * TILE_ELEMS, 64);
+    _tile_stream_loadd(7, b + (ks * 2 + 1) * TILE_ELEMS, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 16 * lda + ks * 32, lda * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// The first `rows` rows of a block of sums c [32 x 32] plus bias, rounded to bfloat16, into y
+// (row stride N) from column n0 on, at most N - n0 of them; with silu_mul, c's first 16 columns
+// are gates and the next 16 their ups, and 16 values of silu(gate) * up go to column n0 / 2 of a
+// y of N / 2 columns, rounded as silu_and_mul rounds them on the plain output.
+inline void amx_linear_out(const float* c, int64_t rows, const float* bias, int64_t n0, int64_t N,
+                           bool silu_mul, at::BFloat16* y) {
+  constexpr const at::BFloat16* bf16 = nullptr;  // round_to's target type
+  vf b0, b1;
+  std::memcpy(&b0, bias + n0, sizeof b0);
+  std::memcpy(&b1, bias + n0 + 16, sizeof b1);
+  if (silu_mul) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const vf g = round_to(load(c + r * 32) + b0, bf16), u = round_to(load(c + r * 32 + 16) + b1, bf16);
+      store(round_to(g / (1.f + vexp(vf{} - g)), bf16) * u, y + r * (N / 2) + n0 / 2);
+    }
+    return;
+  }
+  const int64_t cols = std::min<int64_t>(32, N - n0);
+  const __mmask32 keep = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), __m512(b0));
+    const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), __m512(b1));
+    _mm512_mask_storeu_epi16(y + r * N + n0, keep, __m512i(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+}
+
+void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N,
+                     const float* bias, bool silu_mul, at::BFloat16* y) {
+  const int64_t NB = (N + 31) / 32, MB = (M + 31) / 32, KS = K / 32;
+  // slices and passes over K as even as whole blocks and steps allow
+  const int64_t slices = (NB + AMX_LINEAR_SLICE - 1) / AMX_LINEAR_SLICE;
+  const int64_t width = (NB + slices - 1) / slices;
+  const int64_t passes = (K + AMX_LINEAR_KC - 1) / AMX_LINEAR_KC, per_pass = (KS + passes - 1) / passes;
+  // row groups as long as leave about 16 tasks a thread: one block each where there are many
+  // rows, all of them where there are few (the vocabulary's projection of a few rows)
+  const int64_t threads = at::get_num_threads();
+  const int64_t group = std::clamp<int64_t>(slices * MB / (16 * threads), 1, MB);
+  const int64_t groups = (MB + group - 1) / group, tasks = slices * groups;
+  const int64_t out_cols = silu_mul ? N / 2 : N;
+  std::atomic<int64_t> next{0};
+  sluice::parallel_for(0, std::min(tasks, threads), 1, [&](int64_t, int64_t) {
+    amx_configure();
+    // the slice's sums between passes over K, 64-byte aligned
+    std::vector<float> sums_buf(AMX_LINEAR_SLICE * 1024 + 16);
+    float* sums = sums_buf.data() + (64 - reinterpret_cast<uintptr_t>(sums_buf.data()) % 64) % 64 / 4;
+    std::vector<at::BFloat16> tail;  // the last row block, zero-padded to 32 rows
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t nb0 = task / groups * width, nb1 = std::min(NB, nb0 + width);
+      const int64_t mb0 = task % groups * group, mb1 = std::min(MB, mb0 + group);
+      for (int64_t mb = mb0; mb < mb1; ++mb) {
+        const int64_t rows = std::min<int64_t>(32, M - mb * 32);
+        const at::BFloat16* a = x + mb * 32 * K;
+        if (rows < 32) {
+          if (tail.empty()) {
+            tail.assign(32 * K, at::BFloat16(0.f));
+            std::copy(a, a + rows * K, tail.begin());
+          }
+          a = tail.data();
+        }
+        for (int64_t k0 = 0; k0 < KS; k0 += per_pass) {
+          const int64_t steps = std::min(per_pass, KS - k0);
+          for (int64_t nb = nb0; nb < nb1; ++nb) {
+            float* c = sums + (nb - nb0) * 1024;
+            if (k0 == 0) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+            } else {
+              _tile_loadd(0, c, 128);
+              _tile_loadd(1, c + 16, 128);
+              _tile_loadd(2, c + 512, 128);
+              _tile_loadd(3, c + 528, 128);
+            }
+            const uint16_t* ahead =
+                mb == mb0 && nb + 1 < nb1 ? wp + ((nb + 1) * KS + k0) * 2 * TILE_ELEMS : nullptr;
+            amx_linear_steps(a + k0 * 32, K, wp + (nb * KS + k0) * 2 * TILE_ELEMS, steps, ahead);
+            _tile_stored(0, c, 128);
+            _tile_stored(1, c + 16, 128);
+            _tile_stored(2, c + 512, 128);
+            _tile_stored(3, c + 528, 128);
+            if (k0 + steps == KS)
+              amx_linear_out(c, rows, bias, nb * 32, N, silu_mul, y + mb * 32 * out_cols);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
 #endif
 
 // A batch's shared prefix: the first P slots that the member requests (`members`, count of them,
@@ -1395,6 +1541,62 @@ void dense_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   if (q.size(2) == 64) amx_dense_attention<64>(q, k_pool, v_pool, kv_indices, spans, scale, out);
   else amx_dense_attention<128>(q, k_pool, v_pool, kv_indices, spans, scale, out);
 #endif
+}
+
+// Whether amx_linear runs here: as amx_attention, a build with AMX tiles on a CPU that lets this
+// process use them.
+bool amx_linear_ok() { return amx_attention(); }
+
+// w [N, K] bfloat16, K a multiple of 32 -> w laid out as amx_linear's B tiles ([ceil(N / 32) *
+// K * 32] int16: bfloat16's bits, the outputs padded with zeros to a multiple of 32).
+at::Tensor amx_pack_linear(const at::Tensor& w) {
+  TORCH_CHECK(amx_linear_ok(), "amx_pack_linear needs AMX tiles (amx_linear_ok())");
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "amx_pack_linear: a 2-D bfloat16 CPU weight");
+  TORCH_CHECK(w.size(1) % 32 == 0, "amx_pack_linear: in_features ", w.size(1),
+              " is not a multiple of 32");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor out = at::empty({(N + 31) / 32 * 32 * K}, w.options().dtype(at::kShort));
+#if defined(SLUICE_AMX_PREFIX)
+  amx_pack_impl(reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), N, K,
+                reinterpret_cast<uint16_t*>(out.data_ptr<int16_t>()));
+#endif
+  return out;
+}
+
+// y = x w^T + bias on AMX tiles: x [M, K] bfloat16, packed = amx_pack_linear(w) of w [N, K],
+// bias [N] (any float dtype) or None. Returns [M, N] bfloat16. silu_mul: w's rows alternate 16
+// gate rows and their 16 up rows (N a multiple of 32), and y is silu(gate) * up, [M, N / 2],
+// what silu_and_mul gives on the plain layer's output.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                      const c10::optional<at::Tensor>& bias, bool silu_mul) {
+  TORCH_CHECK(amx_linear_ok(), "amx_linear needs AMX tiles (amx_linear_ok())");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "amx_linear: x is a 2-D bfloat16 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && N > 0 && packed.is_contiguous() && packed.scalar_type() == at::kShort &&
+              packed.numel() == (N + 31) / 32 * 32 * K,
+              "amx_linear: packed does not hold ", N, " outputs of ", K, " values");
+  const int64_t padded = (N + 31) / 32 * 32;
+  at::Tensor b = at::zeros({padded}, x.options().dtype(at::kFloat));
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias of ", N, " values");
+    b.narrow(0, 0, N).copy_(*bias);
+  }
+  TORCH_CHECK(!silu_mul || N % 32 == 0, "amx_linear: silu_mul takes outputs in pairs of 16, not ", N);
+  at::Tensor y = at::empty({M, silu_mul ? N / 2 : N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xc = x.contiguous();
+#if defined(SLUICE_AMX_PREFIX)
+  {
+    pybind11::gil_scoped_release no_gil;
+    amx_linear_impl(xc.data_ptr<at::BFloat16>(), M, K,
+                    reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>()), N,
+                    b.data_ptr<float>(), silu_mul, y.data_ptr<at::BFloat16>());
+  }
+#endif
+  return y;
 }
 
 // In place: residual += x, then x = rms_norm(residual) * weight. x, residual [N, H]; weight [H].
@@ -2088,6 +2290,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("kv_indices"),
         pybind11::arg("spans"), pybind11::arg("scale"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("amx_linear_ok", &amx_linear_ok);
+  m.def("amx_pack_linear", &amx_pack_linear, pybind11::arg("w"));
+  m.def("amx_linear", &amx_linear, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("silu_mul") = false);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rms_norm", &rms_norm);
   m.def("silu_and_mul", &silu_and_mul);

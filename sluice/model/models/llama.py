@@ -58,9 +58,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if self.cpu_ops is not None:
-            return self.down_proj(self.cpu_ops.silu_and_mul(gate_up))
+            # the activation from gate_up's own GEMM where its layer has that (on AMX tiles)
+            silu_mul = getattr(self.gate_up_proj, "silu_mul", None)
+            h = None if silu_mul is None else silu_mul(x)
+            if h is None:
+                h = self.cpu_ops.silu_and_mul(self.gate_up_proj(x))
+            return self.down_proj(h)
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -118,10 +118,11 @@ class PackedLinear(nn.Module):
     kept beside the packed one, which is as fast there.
 
     Where the CPU has AMX tiles, larger bfloat16 batches instead take sluice's AMX GEMM
-    (`amx_linear` in cpu_ops.cpp) on a third copy laid out for it: the same float32 sums rounded
-    once, in another order. A gate_up projection (`fuse_silu_mul`) then also gives its
-    activation from the GEMM's last step (`silu_mul`), without writing the [rows, 2 x
-    intermediate] product out and reading it back.
+    (`amx_linear` in cpu_ops.cpp) on a third copy laid out for it (in_features a multiple of
+    32): the same float32 sums rounded once, in another order. A gate_up projection
+    (`fuse_silu_mul`) then also gives its activation from the GEMM's last step (`silu_mul`),
+    without writing the [rows, 2 x intermediate] product out and reading it back. The third
+    copy costs the weight's size again (SLUICE_AMX_LINEAR=0: none).
     """
 
     PACKED_MAX_ROWS = 64
@@ -177,10 +178,10 @@ class PackedLinear(nn.Module):
         return True
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of this gate_up layer's output for x [N, in_features] (what the
-        kernels' silu_and_mul gives on `self(x)`, bit for bit), computed in the AMX GEMM; None
-        where these rows do not take it (`fuse_silu_mul` not done, or a batch of at most
-        PACKED_MAX_ROWS rows), and the caller computes the two steps."""
+        """silu(gate) * up of this gate_up layer's output for x [N, in_features], computed in
+        the AMX GEMM: what the kernels' silu_and_mul gives on the AMX GEMM's plain product (see
+        `amx_linear`); None where these rows do not take it (`fuse_silu_mul` not done, or a
+        batch of at most PACKED_MAX_ROWS rows), and the caller computes the two steps."""
         if not self.amx_gated or x.shape[0] <= self.PACKED_MAX_ROWS or x.dtype != torch.bfloat16:
             return None
         return self.amx_ops.amx_linear(x, self.amx, self.weight.shape[0], self.amx_bias, True)

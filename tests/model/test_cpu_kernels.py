@@ -535,40 +535,46 @@ def _needs_amx(ops) -> None:
         pytest.skip("no AMX tiles here (amx_linear_ok)")
 
 
-@pytest.mark.parametrize("rows", [1, 31, 33, 100, 300])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 96), (576, 1536)])  # a tail; 3 K passes
+@pytest.mark.parametrize("rows", [1, 31, 33, 64, 100, 300])
+# a tail of outputs; 3 passes over K; two uneven ones (17 steps of 32: 9 and 8) and 40 outputs
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 96), (576, 1536), (40, 544)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_amx_linear_matches_f_linear(native_ops, rows, n, k, with_bias) -> None:
     """The AMX GEMM on bfloat16 (`amx_linear` on `amx_pack_linear`'s layout): float32 sums
-    rounded once, so within a rounding step of the float32 result; and the same bits on one
-    thread as on two (each output is summed within one task)."""
+    rounded once, so within a rounding step of the float32 result, for x in place or a
+    strided view; and the same bits on one thread as on two (each output is summed within one
+    task)."""
     ops = native_ops
     _needs_amx(ops)
     gen = torch.Generator().manual_seed(rows * n + k)
-    x = torch.randn(rows, k, generator=gen).bfloat16()
+    x = torch.randn(rows, k + 32, generator=gen).bfloat16()[:, 32:]  # rows k + 32 apart
     w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
     packed = ops.amx_pack_linear(w)
-    got = ops.amx_linear(x, packed, n, bias)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = ops.amx_linear(x, packed, n, bias)
+        torch.set_num_threads(1)
+        assert torch.equal(ops.amx_linear(x.contiguous(), packed, n, bias), got)
+    finally:
+        torch.set_num_threads(before)
     want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=8e-3)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(ops.amx_linear(x, packed, n, bias), got)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("rows", [7, 100])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-def test_amx_linear_silu_mul_is_silu_and_mul_of_the_product(native_ops, rows, with_bias) -> None:
+# one slice of outputs and one pass over K; SmolLM2's gate_up: 12 slices, 2 passes
+@pytest.mark.parametrize(("inter", "k"), [(96, 64), (1536, 576)])
+def test_amx_linear_silu_mul_is_silu_and_mul_of_the_product(
+    native_ops, rows, with_bias, inter, k
+) -> None:
     """With the rows of gate and up paired by 16, `silu_mul` gives what silu_and_mul gives on
     the plain product, bit for bit."""
     ops = native_ops
     _needs_amx(ops)
-    inter, k = 96, 64
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen).bfloat16()
     w = (torch.randn(2 * inter, k, generator=gen) / 4).bfloat16()
@@ -590,8 +596,9 @@ def test_amx_linear_refuses_what_it_cannot_take(native_ops) -> None:
     w = torch.randn(64, 64).bfloat16()
     packed = ops.amx_pack_linear(w)
     x = torch.randn(40, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="in_features 40 is not a multiple of 32"):
-        ops.amx_pack_linear(torch.randn(8, 40).bfloat16())
+    for width in (40, 0):
+        with pytest.raises(RuntimeError, match=f"in_features {width} is not a positive multiple"):
+            ops.amx_pack_linear(torch.randn(8, width).bfloat16())
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.amx_pack_linear(w.float())
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -644,6 +651,7 @@ def test_a_bfloat16_mlp_takes_its_silu_from_the_gate_up_gemm(tiny_llama_dir, nat
     with torch.inference_mode():
         fused = mlp(x)
         gate_up = mlp.gate_up_proj  # back to the plain layout: its GEMM, then silu_and_mul
+        assert gate_up.bias is None  # so amx_bias needs no unpairing
         gate_up.amx, gate_up.amx_gated = native_ops.amx_pack_linear(gate_up.weight), False
         assert torch.equal(mlp(x), fused)
 

@@ -919,7 +919,7 @@ void amx_dense_attention(const at::Tensor& q, const at::Tensor& k_pool, const at
 // ---------------------------------------------------------------------------------------------
 // A bfloat16 linear layer on AMX tiles for batches of many rows (prefills): y = x w^T + bias,
 // float32 sums rounded once to bfloat16, as oneDNN's AMX GEMM gives them (on the Xeon model 207,
-// SmolLM2's shapes, all but 0 to 5 in 10^5 outputs have the same bits). w is laid out once
+// SmolLM2's shapes, all but 0 to 5 in 10^5 outputs had the same bits). w is laid out once
 // (amx_pack_linear) as the tiles' B operand: for each 32 outputs and each 32 values of K, two
 // tiles of 16 outputs whose row j holds k = 2j and 2j + 1 of every output. Each 32 x 32 block
 // of y takes 4 accumulator tiles over K, x's 32 rows read in place as A tiles and kept in L1 (K
@@ -1003,8 +1003,9 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
   const int64_t slices = (NB + AMX_LINEAR_SLICE - 1) / AMX_LINEAR_SLICE;
   const int64_t width = (NB + slices - 1) / slices;
   const int64_t passes = (K + AMX_LINEAR_KC - 1) / AMX_LINEAR_KC, per_pass = (KS + passes - 1) / passes;
-  // row groups as long as leave about 16 tasks a thread: one block each where there are many
-  // rows, all of them where there are few (the vocabulary's projection of a few rows)
+  // row groups as long as leave about 16 tasks a thread: the fewer slices and row blocks, the
+  // shorter (one block at the least), all of a few rows' blocks in one task for a layer of many
+  // slices (the vocabulary's projection)
   const int64_t threads = at::get_num_threads();
   const int64_t group = std::clamp<int64_t>(slices * MB / (16 * threads), 1, MB);
   const int64_t groups = (MB + group - 1) / group, tasks = slices * groups;
@@ -1553,8 +1554,8 @@ at::Tensor amx_pack_linear(const at::Tensor& w) {
   TORCH_CHECK(amx_linear_ok(), "amx_pack_linear needs AMX tiles (amx_linear_ok())");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kBFloat16,
               "amx_pack_linear: a 2-D bfloat16 CPU weight");
-  TORCH_CHECK(w.size(1) % 32 == 0, "amx_pack_linear: in_features ", w.size(1),
-              " is not a multiple of 32");
+  TORCH_CHECK(w.size(1) > 0 && w.size(1) % 32 == 0, "amx_pack_linear: in_features ", w.size(1),
+              " is not a positive multiple of 32");
   const at::Tensor wc = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   at::Tensor out = at::empty({(N + 31) / 32 * 32 * K}, w.options().dtype(at::kShort));
@@ -1565,17 +1566,19 @@ at::Tensor amx_pack_linear(const at::Tensor& w) {
   return out;
 }
 
-// y = x w^T + bias on AMX tiles: x [M, K] bfloat16, packed = amx_pack_linear(w) of w [N, K],
-// bias [N] (any float dtype) or None. Returns [M, N] bfloat16. silu_mul: w's rows alternate 16
-// gate rows and their 16 up rows (N a multiple of 32), and y is silu(gate) * up, [M, N / 2],
-// what silu_and_mul gives on the plain layer's output.
+// y = x w^T + bias on AMX tiles: x [M, K] bfloat16, packed = amx_pack_linear(w) of w [N, K]
+// (only its size is checked: the caller keeps w's N and K beside it), bias [N] (any float dtype)
+// or None. Returns [M, N] bfloat16. silu_mul: w's rows alternate 16 gate rows and their 16 up
+// rows (N a multiple of 32), and y is silu(gate) * up, [M, N / 2]: what silu_and_mul gives on
+// this function's plain output for the unpaired w (the same bits, but where a sum plus its bias
+// falls among float32's denormals, which the plain rounding flushes to zero).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                       const c10::optional<at::Tensor>& bias, bool silu_mul) {
   TORCH_CHECK(amx_linear_ok(), "amx_linear needs AMX tiles (amx_linear_ok())");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "amx_linear: x is a 2-D bfloat16 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && N > 0 && packed.is_contiguous() && packed.scalar_type() == at::kShort &&
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && packed.is_contiguous() && packed.scalar_type() == at::kShort &&
               packed.numel() == (N + 31) / 32 * 32 * K,
               "amx_linear: packed does not hold ", N, " outputs of ", K, " values");
   const int64_t padded = (N + 31) / 32 * 32;

@@ -132,7 +132,8 @@ inline vf load(const float* p) {
 #endif
 inline vf load(const at::BFloat16* p) {
 #if defined(SLUICE_BF16_AVX512)
-  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
   vu u;
   std::memcpy(&u, &w, sizeof u);
   return bits_to_float(u);
@@ -1001,7 +1002,8 @@ inline void amx_linear_out(const float* c, int64_t rows, const float* bias, int6
   std::memcpy(&b1, bias + n0 + 16, sizeof b1);
   if (silu_mul) {
     for (int64_t r = 0; r < rows; ++r) {
-      const vf g = round_to(load(c + r * 32) + b0, bf16), u = round_to(load(c + r * 32 + 16) + b1, bf16);
+      const vf g = round_to(load(c + r * 32) + b0, bf16);
+      const vf u = round_to(load(c + r * 32 + 16) + b1, bf16);
       store(round_to(g / (1.f + vexp(vf{} - g)), bf16) * u, y + r * (N / 2) + n0 / 2);
     }
     return;
@@ -1021,7 +1023,8 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
   // slices and passes over K as even as whole blocks and steps allow
   const int64_t slices = (NB + AMX_LINEAR_SLICE - 1) / AMX_LINEAR_SLICE;
   const int64_t width = (NB + slices - 1) / slices;
-  const int64_t passes = (K + AMX_LINEAR_KC - 1) / AMX_LINEAR_KC, per_pass = (KS + passes - 1) / passes;
+  const int64_t passes = (K + AMX_LINEAR_KC - 1) / AMX_LINEAR_KC;
+  const int64_t per_pass = (KS + passes - 1) / passes;
   // row groups as long as leave about 16 tasks a thread: the fewer slices and row blocks, the
   // shorter (one block at the least), all of a few rows' blocks in one task for a layer of many
   // slices (the vocabulary's projection)
@@ -1034,7 +1037,8 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
     amx_configure();
     // the slice's sums between passes over K, 64-byte aligned
     std::vector<float> sums_buf(AMX_LINEAR_SLICE * 1024 + 16);
-    float* sums = sums_buf.data() + (64 - reinterpret_cast<uintptr_t>(sums_buf.data()) % 64) % 64 / 4;
+    const uintptr_t misaligned = reinterpret_cast<uintptr_t>(sums_buf.data()) % 64;
+    float* sums = sums_buf.data() + (64 - misaligned) % 64 / 4;
     std::vector<at::BFloat16> tail;  // the last row block, zero-padded to 32 rows
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t nb0 = task / groups * width, nb1 = std::min(NB, nb0 + width);
@@ -1597,7 +1601,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "amx_linear: x is a 2-D bfloat16 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && packed.is_contiguous() && packed.scalar_type() == at::kShort &&
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && packed.is_contiguous() &&
+              packed.scalar_type() == at::kShort &&
               packed.numel() == (N + 31) / 32 * 32 * K,
               "amx_linear: packed does not hold ", N, " outputs of ", K, " values");
   const int64_t padded = (N + 31) / 32 * 32;
@@ -1606,7 +1611,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "amx_linear: bias of ", N, " values");
     b.narrow(0, 0, N).copy_(*bias);
   }
-  TORCH_CHECK(!silu_mul || N % 32 == 0, "amx_linear: silu_mul takes outputs in pairs of 16, not ", N);
+  TORCH_CHECK(!silu_mul || N % 32 == 0, "amx_linear: silu_mul takes outputs in pairs of 16, not ",
+              N);
   at::Tensor y = at::empty({M, silu_mul ? N / 2 : N}, x.options());
   if (M == 0) return y;
   const at::Tensor xc = x.contiguous();

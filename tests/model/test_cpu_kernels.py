@@ -535,9 +535,11 @@ def _needs_amx(ops) -> None:
         pytest.skip("no AMX tiles here (amx_linear_ok)")
 
 
-@pytest.mark.parametrize("rows", [1, 31, 33, 64, 100, 300])
-# a tail of outputs; 3 passes over K; two uneven ones (17 steps of 32: 9 and 8) and 40 outputs
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 96), (576, 1536), (40, 544)])
+# 1100: tasks of several row blocks, the last of them a tail
+@pytest.mark.parametrize("rows", [1, 31, 33, 64, 100, 300, 1100])
+# a tail of outputs; 3 passes over K; three uneven ones (41 steps of 32: 14, 14 and 13) and 40
+# outputs
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (50, 96), (576, 1536), (40, 1312)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_amx_linear_matches_f_linear(native_ops, rows, n, k, with_bias) -> None:
     """The AMX GEMM on bfloat16 (`amx_linear` on `amx_pack_linear`'s layout): float32 sums
@@ -566,8 +568,8 @@ def test_amx_linear_matches_f_linear(native_ops, rows, n, k, with_bias) -> None:
 
 @pytest.mark.parametrize("rows", [7, 100])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-# one slice of outputs and one pass over K; SmolLM2's gate_up: 12 slices, 2 passes
-@pytest.mark.parametrize(("inter", "k"), [(96, 64), (1536, 576)])
+# one slice of outputs and one pass over K; 3 passes; SmolLM2's gate_up: 6 slices, one pass
+@pytest.mark.parametrize(("inter", "k"), [(96, 64), (64, 1312), (1536, 576)])
 def test_amx_linear_silu_mul_is_silu_and_mul_of_the_product(
     native_ops, rows, with_bias, inter, k
 ) -> None:

@@ -944,16 +944,19 @@ void amx_dense_attention(const at::Tensor& q, const at::Tensor& k_pool, const at
 // tiles of 16 outputs whose row j holds k = 2j and 2j + 1 of every output. Each 32 x 32 block
 // of y takes 4 accumulator tiles over K, x's 32 rows read in place as A tiles and kept in L1 (K
 // in passes of at most AMX_LINEAR_KC values), w's tiles streamed past L1 from L2 (TILELOADDT1).
+// While a pass runs, its blocks fetch the x of the next pass (the same rows' next values of K, or
+// the next row block) into L2, a line a row at each step.
 //
-// The work is cut in tasks, a slice of w (at most AMX_LINEAR_SLICE blocks of 32 outputs, its B
-// tiles read into L2 once, the first row block fetching each next block ahead) by a group of row
-// blocks, that the threads claim one at a time rather than split evenly up front: on a shared
+// The work is cut in tasks, a slice of w (about AMX_LINEAR_SLICE_BYTES of B tiles, read into L2
+// once, the first row block fetching each next block ahead) by a group of row blocks: x is read
+// once for each slice, so the wider the slice, the less of it is read again. The threads claim
+// the tasks one at a time rather than split them evenly up front: on a shared
 // machine one core's AMX unit can run at a quarter of the other's speed for seconds at a time
 // (Xeon model 207 under KVM, each core alone: 510 to 2300 GFLOP/s within a minute), and a fixed
 // half would leave the fast core waiting for the slow one. Figures: benchmarks/README.md.
 // ---------------------------------------------------------------------------------------------
-constexpr int64_t AMX_LINEAR_SLICE = 8;
-constexpr int64_t AMX_LINEAR_KC = 512;  // values of K a pass holds x's 32 rows of in L1 (32 KB)
+constexpr int64_t AMX_LINEAR_SLICE_BYTES = 640 << 10;  // of the 2 MB L2 (Sapphire Rapids)
+constexpr int64_t AMX_LINEAR_KC = 640;  // values of K a pass holds x's 32 rows of in L1 (40 KB)
 
 void amx_pack_impl(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
   const int64_t NB = (N + 31) / 32, KS = K / 32;
@@ -972,13 +975,17 @@ void amx_pack_impl(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
 }
 
 // Adds `steps` 32-value steps of K to the 4 accumulator tiles: a, 32 rows of x (row stride lda
-// values), b the B tiles of 32 outputs; `ahead`, if not null, the B tiles to fetch into L2.
+// values), b the B tiles of 32 outputs; `ahead`, if not null, the B tiles to fetch into L2;
+// `xn`, if not null, `xn_rows` rows of the x that the next pass reads (row stride lda), of
+// which each step fetches one line a row into L2.
 inline void amx_linear_steps(const at::BFloat16* a, int64_t lda, const uint16_t* b, int64_t steps,
-                             const uint16_t* ahead) {
+                             const uint16_t* ahead, const at::BFloat16* xn, int64_t xn_rows) {
   for (int64_t ks = 0; ks < steps; ++ks) {
     if (ahead)
       for (int64_t l = 0; l < 2 * TILE_ELEMS; l += 32)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + ks * 2 * TILE_ELEMS + l), _MM_HINT_T1);
+    for (int64_t r = 0; r < xn_rows; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(xn + r * lda + ks * 32), _MM_HINT_T1);
     _tile_loadd(4, a + ks * 32, lda * 2);
     _tile_stream_loadd(6, b + ks * 2 * TILE_ELEMS, 64);
     _tile_stream_loadd(7, b + (ks * 2 + 1) * TILE_ELEMS, 64);
@@ -1021,7 +1028,8 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
                      const float* bias, bool silu_mul, at::BFloat16* y) {
   const int64_t NB = (N + 31) / 32, MB = (M + 31) / 32, KS = K / 32;
   // slices and passes over K as even as whole blocks and steps allow
-  const int64_t slices = (NB + AMX_LINEAR_SLICE - 1) / AMX_LINEAR_SLICE;
+  const int64_t max_width = std::max<int64_t>(1, AMX_LINEAR_SLICE_BYTES / (64 * K));
+  const int64_t slices = (NB + max_width - 1) / max_width;
   const int64_t width = (NB + slices - 1) / slices;
   const int64_t passes = (K + AMX_LINEAR_KC - 1) / AMX_LINEAR_KC;
   const int64_t per_pass = (KS + passes - 1) / passes;
@@ -1035,8 +1043,8 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
   std::atomic<int64_t> next{0};
   sluice::parallel_for(0, std::min(tasks, threads), 1, [&](int64_t, int64_t) {
     amx_configure();
-    // the slice's sums between passes over K, 64-byte aligned
-    std::vector<float> sums_buf(AMX_LINEAR_SLICE * 1024 + 16);
+    // the slice's sums between passes over K (one pass: a block's), 64-byte aligned
+    std::vector<float> sums_buf((passes > 1 ? width : 1) * 1024 + 16);
     const uintptr_t misaligned = reinterpret_cast<uintptr_t>(sums_buf.data()) % 64;
     float* sums = sums_buf.data() + (64 - misaligned) % 64 / 4;
     std::vector<at::BFloat16> tail;  // the last row block, zero-padded to 32 rows
@@ -1055,8 +1063,14 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
         }
         for (int64_t k0 = 0; k0 < KS; k0 += per_pass) {
           const int64_t steps = std::min(per_pass, KS - k0);
+          // the x that the next pass reads: this row block's next values of K, or the next row
+          // block's first (a whole one: the tail is read from its copy)
+          const at::BFloat16* xn = nullptr;
+          if (k0 + steps < KS) xn = a + (k0 + steps) * 32;
+          else if (mb + 1 < mb1 && M - (mb + 1) * 32 >= 32) xn = x + (mb + 1) * 32 * K;
+          const int64_t xn_rows = (32 + (nb1 - nb0) - 1) / (nb1 - nb0);  // a block's share
           for (int64_t nb = nb0; nb < nb1; ++nb) {
-            float* c = sums + (nb - nb0) * 1024;
+            float* c = sums + (passes > 1 ? nb - nb0 : 0) * 1024;
             if (k0 == 0) {
               _tile_zero(0);
               _tile_zero(1);
@@ -1070,7 +1084,10 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
             }
             const uint16_t* ahead =
                 mb == mb0 && nb + 1 < nb1 ? wp + ((nb + 1) * KS + k0) * 2 * TILE_ELEMS : nullptr;
-            amx_linear_steps(a + k0 * 32, K, wp + (nb * KS + k0) * 2 * TILE_ELEMS, steps, ahead);
+            const int64_t r0 = std::min<int64_t>(32, (nb - nb0) * xn_rows);
+            const int64_t r1 = std::min<int64_t>(32, r0 + xn_rows);
+            amx_linear_steps(a + k0 * 32, K, wp + (nb * KS + k0) * 2 * TILE_ELEMS, steps, ahead,
+                             xn ? xn + r0 * K : nullptr, xn ? r1 - r0 : 0);
             _tile_stored(0, c, 128);
             _tile_stored(1, c + 16, 128);
             _tile_stored(2, c + 512, 128);

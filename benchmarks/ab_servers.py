@@ -10,7 +10,10 @@ trials of a round get the same prompts, each after the machine is 90% idle again
 (`wait_quiet`). Printed per configuration: the median output tok/s
 (completion tokens / the trial's wall time) and the paired ratio to the first configuration's
 trial of the same round (median, min, max): the figure to read, since drift falls on both
-members of a pair alike. While one member runs its trial, the others are stopped (SIGSTOP,
+members of a pair alike. Each HTTP server's time to first token is paired the same way: its
+trial's p99 (of 32 requests sent together, about the last one's: the burst's prefill) over
+the first configuration's, lower being better, and for a peer the first configuration's over
+the peer's (issue 14's TTFT goal). While one member runs its trial, the others are stopped (SIGSTOP,
 then SIGCONT; `--keep-others-running` leaves them be): an idle sluice sleeps (its scheduler
 blocks on its sockets once its OpenMP threads have stopped spinning), but an idle vLLM does not
 (`others_stopped`). With OpenMP's ACTIVE wait policy a sluice's threads spin for ever, so such a
@@ -66,6 +69,7 @@ from serving import (  # noqa: E402
     free_port,
     llama_command,
     make_prompts,
+    percentile,
     run_loop,
     select_workloads,
     sluice_command,
@@ -242,11 +246,34 @@ def others_stopped(members: Iterable[ServerProcess | EngineMember]) -> Iterator[
             _signal_member(member, signal.SIGCONT)
 
 
-def run_trial(base_url: str, wl: Workload, prompts: list) -> float:
+def run_trial(base_url: str, wl: Workload, prompts: list) -> tuple[float, float]:
+    """(output tok/s, TTFT p99 in seconds) of one trial."""
     stats, errors, elapsed = run_loop(_drive(base_url, prompts, wl, len(prompts)))
     if errors:
         raise RuntimeError(f"{wl.name}: {len(errors)} requests failed, first: {errors[0]}")
-    return sum(s.output_tokens for s in stats if s is not None) / elapsed
+    done = [s for s in stats if s is not None]
+    return sum(s.output_tokens for s in done) / elapsed, percentile([s.ttft for s in done], 99)
+
+
+def print_ttfts(ttfts: dict[str, list[float]], base: str, peers: list[str]) -> None:
+    """The HTTP members' TTFT p99s: each over the base's by pairs (lower is better), and the
+    base's over each peer's."""
+    if base not in ttfts:
+        return
+    for label, values in ttfts.items():
+        ratios = [v / b for v, b in zip(values, ttfts[base], strict=True)]
+        print(
+            f"{label:16s} TTFT p99 median {statistics.median(values):6.3f} s; / {base}: median "
+            f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})",
+            flush=True,
+        )
+    for peer in peers:
+        if peer in ttfts:
+            pairs = [b / p for b, p in zip(ttfts[base], ttfts[peer], strict=True)]
+            print(
+                f"{base} / {peer} TTFT p99: median {statistics.median(pairs):.3f} (min "
+                f"{min(pairs):.3f}, max {max(pairs):.3f}) by pairs", flush=True,
+            )  # fmt: skip
 
 
 def main() -> None:
@@ -352,6 +379,9 @@ def main() -> None:
                 else:
                     run_loop(_drive(server.base_url, warm, WARMUP_OUTPUT, len(warm)))
             results: dict[str, list[float]] = {label: [] for label in labels}
+            ttfts: dict[str, list[float]] = {
+                label: [] for label in labels if not isinstance(servers[label], EngineMember)
+            }
             for r in range(args.rounds):
                 prompts = make_prompts(tokenizer, wl, clients, seed=args.seed + 1000 * w + r)
                 for label in order_for_round(labels, r):
@@ -364,7 +394,9 @@ def main() -> None:
                         if isinstance(member, EngineMember):
                             results[label].append(member.trial(prompts, wl.output_len))
                         else:
-                            results[label].append(run_trial(member.base_url, wl, prompts))
+                            tok_s, ttft = run_trial(member.base_url, wl, prompts)
+                            results[label].append(tok_s)
+                            ttfts[label].append(ttft)
             print(f"\n== {wl.name}: {wl.describe()}, {clients} clients a trial ==")
             for label, ratios in trial_ratios(results, labels[0]).items():
                 values = results[label]
@@ -380,6 +412,7 @@ def main() -> None:
                     f"{labels[0]} / {peer}: median {statistics.median(pairs):.3f} (min "
                     f"{min(pairs):.3f}, max {max(pairs):.3f}) by pairs", flush=True,
                 )  # fmt: skip
+            print_ttfts(ttfts, labels[0], peers)
     finally:
         for server in servers.values():  # none is left stopped, whatever ended the rounds
             _signal_member(server, signal.SIGCONT)

@@ -145,3 +145,19 @@ def test_the_other_members_are_stopped_during_a_trial_and_continued_after(ab: Mo
         engine.proc.kill()
         server.proc.wait()
         engine.proc.wait()
+
+
+def test_ttft_p99s_are_paired_with_the_base_and_the_peer_over_the_base(
+    ab: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ttfts = {"new": [1.0, 2.0], "old": [2.0, 3.0], ab.VLLM: [4.0, 2.0]}
+    ab.print_ttfts(ttfts, "new", [ab.VLLM, ab.ENGINE])  # the Engine has no TTFTs: left out
+    out = capsys.readouterr().out
+    assert (
+        "old              TTFT p99 median  2.500 s; / new: median 1.750 (min 1.500, max 2.000)"
+        in out
+    )
+    assert f"new / {ab.VLLM} TTFT p99: median 0.625 (min 0.250, max 1.000) by pairs" in out
+    assert ab.ENGINE not in out
+    ab.print_ttfts({ab.VLLM: [1.0]}, "new", [ab.VLLM])  # no HTTP base: nothing to pair with
+    assert capsys.readouterr().out == ""

@@ -122,7 +122,9 @@ class PackedLinear(nn.Module):
     32): the same float32 sums rounded once, in another order. A gate_up projection
     (`fuse_silu_mul`) then also gives its activation from the GEMM's last step (`silu_mul`),
     without writing the [rows, 2 x intermediate] product out and reading it back. The third
-    copy costs the weight's size again (SLUICE_AMX_LINEAR=0: none).
+    copy costs the weight's size again (SLUICE_AMX_LINEAR=0: none); a layer that never sees
+    batches of a few rows (a block-weight layer's float copy, QuantLinear.keep_dense) then
+    drops its plain weight (`drop_plain`), which only those batches and the fallback read.
     """
 
     PACKED_MAX_ROWS = 64
@@ -133,7 +135,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight = weight.detach()  # [out_features, in_features]
+        self.weight: torch.Tensor | None = weight.detach()  # [out, in]; None: `drop_plain`
+        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)  # opaque layout
         self.bias = None if bias is None else bias.detach()
         self.amx_ops = _amx_ops(self.weight)  # cpu_ops() where this weight can take AMX tiles
@@ -146,6 +149,7 @@ class PackedLinear(nn.Module):
         ops = self.cpu_ops
         if (
             ops is not None
+            and self.weight is not None
             and 0 < x.shape[0] <= ops.small_linear_max_rows  # 0: no logits wanted
             and x.shape[1] % ops.small_linear_k_multiple == 0
         ):
@@ -154,26 +158,38 @@ class PackedLinear(nn.Module):
             return self._packed(x)
         if x.dtype == torch.float32:
             return torch.cat([self._packed(block) for block in x.split(self.PACKED_MAX_ROWS)])
-        if self.amx is not None and not self.amx_gated:
-            return self.amx_ops.amx_linear(x, self.amx, self.weight.shape[0], self.amx_bias)
+        if self.amx is not None:
+            y = self.amx_ops.amx_linear(x, self.amx, self.out_features, self.amx_bias)
+            return _unpaired(y) if self.amx_gated else y
         return F.linear(x, self.weight, self.bias)
+
+    def drop_plain(self) -> bool:
+        """Free the plain weight where the AMX copy takes every batch past PACKED_MAX_ROWS
+        rows (True); the layer must then not be called with few enough rows for small_linear,
+        which reads it: the caller's batches start past that kernel's rows."""
+        if self.amx is None:
+            return False
+        self.weight = None
+        return True
 
     def fuse_silu_mul(self) -> bool:
         """For a gate_up projection (the gate's rows, then as many of the up's): pair the AMX
         copy's rows, 16 of the gate's with their 16 of the up's, so that `silu_mul` can give
-        silu(gate) * up from the GEMM. Plain calls of the layer then leave the AMX GEMM for
-        oneDNN's. False, and nothing changed, without the AMX copy or for an intermediate size
-        that is not a multiple of 16."""
-        out = self.weight.shape[0]
-        if self.amx is None or out % 32:
+        silu(gate) * up from the GEMM; plain calls put the GEMM's columns back in order. The
+        copy's tiles are moved, not laid out again from the plain weight. False, and nothing
+        changed, without the AMX copy or for an intermediate size that is not a multiple of
+        16."""
+        out = self.out_features
+        if self.amx is None or out % 32 or self.amx_gated:
             return False
-        pairs = out // 32
-
-        def paired(t: torch.Tensor) -> torch.Tensor:  # [2 I, ...] -> [I / 16, 2, 16, ...] rows
-            return t.reshape(2, pairs, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-        self.amx = self.amx_ops.amx_pack_linear(paired(self.weight))
-        self.amx_bias = None if self.bias is None else paired(self.bias)
+        pairs = out // 32  # I / 16
+        # amx_pack_linear's layout: [out / 32 blocks, K / 32 steps, 2 tiles of 16 outputs, tile]
+        # -> [16-output groups, steps, tile], the groups of the gate and of the up interleaved
+        # -> back to blocks of two groups
+        tiles = self.amx.reshape(out // 32, -1, 2, TILE_VALUES).transpose(1, 2)
+        groups = tiles.reshape(2, pairs, *tiles.shape[2:]).transpose(0, 1)
+        self.amx = groups.reshape(tiles.shape).transpose(1, 2).contiguous().reshape(-1)
+        self.amx_bias = None if self.bias is None else _paired(self.bias)
         self.amx_gated = True
         return True
 
@@ -184,10 +200,27 @@ class PackedLinear(nn.Module):
         batch of at most PACKED_MAX_ROWS rows), and the caller computes the two steps."""
         if not self.amx_gated or x.shape[0] <= self.PACKED_MAX_ROWS or x.dtype != torch.bfloat16:
             return None
-        return self.amx_ops.amx_linear(x, self.amx, self.weight.shape[0], self.amx_bias, True)
+        return self.amx_ops.amx_linear(x, self.amx, self.out_features, self.amx_bias, True)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+TILE_VALUES = 16 * 32  # bfloat16 values of one AMX tile (16 rows of 64 bytes)
+
+
+def _paired(t: torch.Tensor) -> torch.Tensor:
+    """A gate_up layer's [2 I, ...] rows in the order of fuse_silu_mul's copy: 16 of the
+    gate's, then their 16 of the up's, and so on."""
+    pairs = t.shape[0] // 32
+    return t.reshape(2, pairs, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _unpaired(y: torch.Tensor) -> torch.Tensor:
+    """A gated layer's output [N, 2 I] with its columns in `_paired`'s order, put back: the
+    gate's, then the up's."""
+    n, out = y.shape
+    return y.reshape(n, out // 32, 2, 16).transpose(1, 2).reshape(n, out)
 
 
 def _amx_ops(weight: torch.Tensor) -> Any | None:

@@ -207,6 +207,8 @@ class QuantLinear(nn.Module):
         bias = None if self.bias is None else self.bias.detach()  # shared: loaded in place
         if can_pack_linears(weight.device, dtype):
             self.dense = PackedLinear(weight, bias)
+            if min_rows > self.KERNEL_MAX_ROWS:  # past small_linear's rows (4), which read the
+                self.dense.drop_plain()  # plain weight: with the AMX copy, no reader is left
         else:
             self.dense = _PlainLinear(weight, bias)
 
@@ -258,8 +260,11 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
         if module.can_interleave(dtype):  # after keep_dense: it reads the GGUF blocks as they are
             module.interleave()
         dense = module.dense
-        for copy in (module.packed, getattr(dense, "weight", None), getattr(dense, "amx", None)):
+        copies = (module.packed, getattr(dense, "weight", None), getattr(dense, "amx", None))
+        for copy in copies:
             total += 0 if copy is None else copy.numel() * copy.element_size()
+        if isinstance(dense, PackedLinear):  # oneDNN's reordered copy: opaque, the weight's size
+            total += module.in_features * module.out_features * dtype.itemsize
         shape = (module.in_features, module.out_features, module.bias is not None)
         if isinstance(module.dense, PackedLinear) and shape not in warmed:
             warmed.add(shape)

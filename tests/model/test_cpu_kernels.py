@@ -616,8 +616,9 @@ def test_amx_linear_refuses_what_it_cannot_take(native_ops) -> None:
 
 def test_packed_linear_takes_the_amx_gemm_past_its_packed_rows(native_ops, monkeypatch) -> None:
     """A bfloat16 PackedLinear: batches of more than PACKED_MAX_ROWS rows on the AMX GEMM; as a
-    gate_up projection (`fuse_silu_mul`), `silu_mul` gives silu_and_mul of the layer's output
-    bit for bit from those batches, None for smaller ones, and the plain output stays right.
+    gate_up projection (`fuse_silu_mul`, which moves the copy's tiles), `silu_mul` gives
+    silu_and_mul of the layer's output bit for bit from those batches, None for smaller ones,
+    and the plain output stays the same, with the plain weight dropped too (`drop_plain`).
     SLUICE_AMX_LINEAR=0 leaves the layer without the AMX copy."""
     _needs_amx(native_ops)
     gen = torch.Generator().manual_seed(3)
@@ -630,12 +631,20 @@ def test_packed_linear_takes_the_amx_gemm_past_its_packed_rows(native_ops, monke
     plain = layer(x)
     assert torch.equal(plain, native_ops.amx_linear(x, layer.amx, 96, bias))
     assert layer.silu_mul(x) is None  # not a gate_up layer yet
-    assert layer.fuse_silu_mul()
+    assert layer.fuse_silu_mul() and not layer.fuse_silu_mul()  # once
+    gate, up = w.split(48)  # the copy laid out again from the rows paired by 16
+    paired = torch.stack([gate.reshape(3, 16, 64), up.reshape(3, 16, 64)], 1).reshape(96, 64)
+    assert torch.equal(layer.amx, native_ops.amx_pack_linear(paired))
     assert torch.equal(layer.silu_mul(x), native_ops.silu_and_mul(plain))
-    torch.testing.assert_close(layer(x).float(), plain.float(), atol=0, rtol=8e-3)
-    assert layer.silu_mul(x[: PackedLinear.PACKED_MAX_ROWS]) is None
+    assert torch.equal(layer(x), plain)
+    few = x[: PackedLinear.PACKED_MAX_ROWS]
+    assert layer.silu_mul(few) is None
+    small = layer(few)
+    assert layer.drop_plain() and layer.weight is None
+    assert torch.equal(layer(x), plain) and torch.equal(layer(few), small)
     odd = PackedLinear(torch.randn(40, 64).bfloat16(), None)  # 20 gate rows: not pairs of 16
     assert odd.amx is not None and not odd.fuse_silu_mul()
+    assert not PackedLinear(torch.randn(40, 64), None).drop_plain()  # float32: no AMX copy
     monkeypatch.setenv("SLUICE_AMX_LINEAR", "0")
     assert PackedLinear(w, bias).amx is None
 

@@ -358,11 +358,12 @@ def test_a_quant_gate_up_gives_its_silu_from_its_float_copys_amx_gemm(packed_ops
     layer = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
     layer.keep_dense(torch.bfloat16, min_rows=16)
     assert isinstance(layer.dense, PackedLinear) and layer.fuse_silu_mul()
+    assert layer.dense.weight is None  # its batches start past small_linear's: no plain copy
     most = PackedLinear.PACKED_MAX_ROWS
     for rows in (20, QuantLinear.AMX_PACKED_MAX_ROWS + 1, most):
         assert layer.silu_mul(torch.randn(rows, 96).bfloat16()) is None
     x = torch.randn(most + 1, 96).bfloat16()
-    product = ops.amx_linear(x, ops.amx_pack_linear(layer.dense.weight), 64)
+    product = ops.amx_linear(x, ops.amx_pack_linear(layer.dequantized(torch.bfloat16)), 64)
     assert torch.equal(layer.silu_mul(x), ops.silu_and_mul(product))
     plain = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)  # no float copy: nothing fused
     assert not plain.fuse_silu_mul() and plain.silu_mul(x) is None

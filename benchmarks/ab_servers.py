@@ -11,12 +11,12 @@ trials of a round get the same prompts, each after the machine is 90% idle again
 (completion tokens / the trial's wall time) and the paired ratio to the first configuration's
 trial of the same round (median, min, max): the figure to read, since drift falls on both
 members of a pair alike. Each HTTP server's time to first token is paired the same way: its
-trial's p99 (of 32 requests sent together, about the last one's: the burst's prefill) over
-the first configuration's, lower being better, and for a peer the first configuration's over
-the peer's (issue 14's TTFT goal). While one member runs its trial, the others are stopped (SIGSTOP,
-then SIGCONT; `--keep-others-running` leaves them be): an idle sluice sleeps (its scheduler
-blocks on its sockets once its OpenMP threads have stopped spinning), but an idle vLLM does not
-(`others_stopped`). With OpenMP's ACTIVE wait policy a sluice's threads spin for ever, so such a
+trial's p99 (of the trial's requests, sent together: about the last one's, after the burst's
+prefill) over the first configuration's, lower being better, and for a peer the first
+configuration's over the peer's (issue 14's TTFT goal). While one member runs its trial, the
+others are stopped (SIGSTOP, then SIGCONT; `--keep-others-running` leaves them be): an idle
+sluice sleeps (its scheduler blocks on its sockets once its OpenMP threads have stopped
+spinning), but an idle vLLM does not (`others_stopped`). With OpenMP's ACTIVE wait policy a sluice's threads spin for ever, so such a
 configuration is refused.
 
     .venv/bin/python benchmarks/ab_servers.py --config "omp" \\

@@ -165,8 +165,9 @@ class PackedLinear(nn.Module):
 
     def drop_plain(self) -> bool:
         """Free the plain weight where the AMX copy takes every batch past PACKED_MAX_ROWS
-        rows (True); the layer must then not be called with few enough rows for small_linear,
-        which reads it: the caller's batches start past that kernel's rows."""
+        rows (True): for a caller whose batches start past small_linear's rows, the only
+        others that read it (such batches would then take oneDNN's copy, the same sums up to
+        order, more slowly)."""
         if self.amx is None:
             return False
         self.weight = None

@@ -207,8 +207,10 @@ class QuantLinear(nn.Module):
         bias = None if self.bias is None else self.bias.detach()  # shared: loaded in place
         if can_pack_linears(weight.device, dtype):
             self.dense = PackedLinear(weight, bias)
-            if min_rows > self.KERNEL_MAX_ROWS:  # past small_linear's rows (4), which read the
-                self.dense.drop_plain()  # plain weight: with the AMX copy, no reader is left
+            # its batches start past the block kernel's rows, so past small_linear's (fewer),
+            # the plain weight's only reader besides the fallback that the AMX copy replaces
+            if min_rows > self.KERNEL_MAX_ROWS:
+                self.dense.drop_plain()
         else:
             self.dense = _PlainLinear(weight, bias)
 

@@ -567,7 +567,7 @@ def test_amx_linear_matches_f_linear(native_ops, rows, n, k, with_bias) -> None:
     torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=8e-3)
 
 
-@pytest.mark.parametrize("rows", [7, 100])
+@pytest.mark.parametrize("rows", [7, 100, 1100])  # 1100: tasks of several row blocks
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 # one slice of outputs and one pass over K; 3 passes; SmolLM2's gate_up: 6 slices, one pass
 @pytest.mark.parametrize(("inter", "k"), [(96, 64), (64, 1312), (1536, 576)])
@@ -575,7 +575,7 @@ def test_amx_linear_silu_mul_is_silu_and_mul_of_the_product(
     native_ops, rows, with_bias, inter, k
 ) -> None:
     """With the rows of gate and up paired by 16, `silu_mul` gives what silu_and_mul gives on
-    the plain product, bit for bit."""
+    the plain product, bit for bit, on two threads and on one."""
     ops = native_ops
     _needs_amx(ops)
     gen = torch.Generator().manual_seed(rows)
@@ -587,10 +587,15 @@ def test_amx_linear_silu_mul_is_silu_and_mul_of_the_product(
     def paired(t):
         return t.reshape(2, inter // 16, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
-    got = ops.amx_linear(
-        x, ops.amx_pack_linear(paired(w)), 2 * inter, None if bias is None else paired(bias), True
-    )
-    assert torch.equal(got, want)
+    packed = ops.amx_pack_linear(paired(w))
+    bias_paired = None if bias is None else paired(bias)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            assert torch.equal(ops.amx_linear(x, packed, 2 * inter, bias_paired, True), want)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_amx_linear_refuses_what_it_cannot_take(native_ops) -> None:
@@ -639,9 +644,10 @@ def test_packed_linear_takes_the_amx_gemm_past_its_packed_rows(native_ops, monke
     assert torch.equal(layer(x), plain)
     few = x[: PackedLinear.PACKED_MAX_ROWS]
     assert layer.silu_mul(few) is None
-    small = layer(few)
+    small, tiny = layer(few), x[:2]  # tiny: small_linear's rows, on the plain weight
     assert layer.drop_plain() and layer.weight is None
     assert torch.equal(layer(x), plain) and torch.equal(layer(few), small)
+    assert torch.equal(layer(tiny), layer._packed(tiny))  # now oneDNN's copy
     odd = PackedLinear(torch.randn(40, 64).bfloat16(), None)  # 20 gate rows: not pairs of 16
     assert odd.amx is not None and not odd.fuse_silu_mul()
     assert not PackedLinear(torch.randn(40, 64), None).drop_plain()  # float32: no AMX copy

@@ -978,19 +978,21 @@ void amx_pack_impl(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
 
 // Adds `steps` 32-value steps of K to the 4 accumulator tiles: a, 32 rows of x (row stride lda
 // values), b the B tiles of 32 outputs; `ahead`, if not null, the B tiles to fetch into L2;
-// `xn`, if not null, `xn_rows` rows of the x that the next pass reads (row stride lda), of
-// which each step fetches one line a row into L2. between(ks) runs after each step's tile
+// `xn`, if not null, `xn_rows` rows of the `xn_steps` steps of x that the next pass reads (row
+// stride lda), their lines a row fetched into L2 a step at a time (step ks: lines ks, ks +
+// steps, ...). between(ks) runs after each step's tile
 // instructions are issued: vector work there overlaps the tiles' (the last block's rounding).
 template <typename Between>
 inline void amx_linear_steps(const at::BFloat16* a, int64_t lda, const uint16_t* b, int64_t steps,
                              const uint16_t* ahead, const at::BFloat16* xn, int64_t xn_rows,
-                             const Between& between) {
+                             int64_t xn_steps, const Between& between) {
   for (int64_t ks = 0; ks < steps; ++ks) {
     if (ahead)
       for (int64_t l = 0; l < 2 * TILE_ELEMS; l += 32)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + ks * 2 * TILE_ELEMS + l), _MM_HINT_T1);
-    for (int64_t r = 0; r < xn_rows; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(xn + r * lda + ks * 32), _MM_HINT_T1);
+    for (int64_t line = ks; line < xn_steps; line += steps)
+      for (int64_t r = 0; r < xn_rows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(xn + r * lda + line * 32), _MM_HINT_T1);
     _tile_loadd(4, a + ks * 32, lda * 2);
     _tile_stream_loadd(6, b + ks * 2 * TILE_ELEMS, 64);
     _tile_stream_loadd(7, b + (ks * 2 + 1) * TILE_ELEMS, 64);
@@ -1085,8 +1087,14 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
           // the x that the next pass reads: this row block's next values of K, or the next row
           // block's first (a whole one: the tail is read from its copy)
           const at::BFloat16* xn = nullptr;
-          if (k0 + steps < KS) xn = a + (k0 + steps) * 32;
-          else if (mb + 1 < mb1 && M - (mb + 1) * 32 >= 32) xn = x + (mb + 1) * 32 * K;
+          int64_t xn_steps = 0;
+          if (k0 + steps < KS) {
+            xn = a + (k0 + steps) * 32;
+            xn_steps = std::min(per_pass, KS - k0 - steps);
+          } else if (mb + 1 < mb1 && M - (mb + 1) * 32 >= 32) {
+            xn = x + (mb + 1) * 32 * K;
+            xn_steps = std::min(per_pass, KS);
+          }
           const int64_t xn_rows = (32 + (nb1 - nb0) - 1) / (nb1 - nb0);  // a block's share
           const int64_t per_step = (32 + steps - 1) / steps;  // rows of the last block rounded
           for (int64_t nb = nb0; nb < nb1; ++nb) {
@@ -1106,8 +1114,9 @@ void amx_linear_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t
                 mb == mb0 && nb + 1 < nb1 ? wp + ((nb + 1) * KS + k0) * 2 * TILE_ELEMS : nullptr;
             const int64_t r0 = std::min<int64_t>(32, (nb - nb0) * xn_rows);
             const int64_t r1 = std::min<int64_t>(32, r0 + xn_rows);
+            const bool fetch = xn != nullptr && r1 > r0;  // a slice past 32 blocks: some none
             amx_linear_steps(a + k0 * 32, K, wp + (nb * KS + k0) * 2 * TILE_ELEMS, steps, ahead,
-                             xn ? xn + r0 * K : nullptr, xn ? r1 - r0 : 0,
+                             fetch ? xn + r0 * K : nullptr, fetch ? r1 - r0 : 0, xn_steps,
                              [&](int64_t ks) { round_pending((ks + 1) * per_step); });
             round_pending(32);  // before c is written: with one block a slice, it may be pend_c
             _tile_stored(0, c, 128);

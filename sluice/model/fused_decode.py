@@ -17,12 +17,14 @@ to its position, as `extend_attention` does. Every other batch (a dense prefill,
 attention SDPA or the kernels' AMX attention takes, more tokens, another cache, a vision model's
 input embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps
 its blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs: DecodeLayers calls
-that GEMM as QuantLinear does); a float copy for many rows (past 32 rows on CPUs with AMX, past
+that GEMM as QuantLinear does); a float copy for many rows (past 16 rows on CPUs with AMX, past
 the block kernel's 8 for float32, the K-quants and CPUs without VNNI) bounds it at the 64 rows
 that copy takes through oneDNN's reordered weight (PackedLinear), whose op DecodeLayers calls
-too: on the Xeon lscpu model 167, bfloat16, SmolLM2-135M, fused 1293.9 tok/s at 40 rows and
-1756.1 at 64 against 1079.1 and 1466.7 layer by layer (`benchmarks/decode_step.py --rounds 2
---output-len 64 --batch-sizes 1,40,64`).
+too, or, in bfloat16 from 17 rows on CPUs with AMX, through sluice's AMX GEMM on the copy's
+AMX copy (a gate_up's giving its SiLU), which DecodeLayers calls too: on the Xeon lscpu model
+167, bfloat16, SmolLM2-135M, fused 1293.9 tok/s at 40 rows and 1756.1 at 64 against 1079.1
+and 1466.7 layer by layer, on oneDNN (`benchmarks/decode_step.py --rounds 2 --output-len 64
+--batch-sizes 1,40,64`).
 SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it off in place
 (benchmarks/decode_step.py compares the two in one process).
 """
@@ -167,15 +169,18 @@ def _max_rows(stack: LlamaModel) -> int:
     return rows
 
 
-def _block_args(
-    module: QuantLinear,
-) -> tuple[torch.Tensor, int, int, bool, torch.Tensor | None, int, torch.Tensor | None, int]:
+def _block_args(module: QuantLinear) -> tuple:
     """DecodeLayers' view of a linear layer: its blocks (in the layout `kernel_type` names),
-    the repacked copy it takes from `packed_min_rows` rows on (bfloat16 only), and oneDNN's
+    the repacked copy it takes from `packed_min_rows` rows on (bfloat16 only), oneDNN's
     reordered float copy it takes from `dense_min_rows` rows on (`_max_rows` keeps batches
-    within its rows), as QuantLinear.forward does."""
+    within its rows), and that copy's AMX copy (if any; a gate_up's paired for its SiLU), which
+    bfloat16 batches take from PackedLinear.AMX_MIN_ROWS rows on, as QuantLinear.forward does."""
     dense = module.dense.packed if isinstance(module.dense, PackedLinear) else None
+    amx = getattr(module.dense, "amx", None)
+    gated = amx is not None and module.dense.amx_gated
+    amx_min_rows = max(PackedLinear.AMX_MIN_ROWS, module.dense_min_rows)
     return (
         module.qweight, module.kernel_type, module.in_features, module.int8_activations,
-        module.packed, module.packed_min_rows, dense, module.dense_min_rows,
+        module.packed, module.packed_min_rows, dense, module.dense_min_rows, amx, gated,
+        amx_min_rows,
     )  # fmt: skip

@@ -117,7 +117,8 @@ class PackedLinear(nn.Module):
     than the plain weight (about 210 vs 180 GFLOP/s); larger bfloat16 ones use the plain weight,
     kept beside the packed one, which is as fast there.
 
-    Where the CPU has AMX tiles, larger bfloat16 batches instead take sluice's AMX GEMM
+    Where the CPU has AMX tiles, bfloat16 batches of AMX_MIN_ROWS rows or more (decode batches
+    of 17 requests or more, and prefills) instead take sluice's AMX GEMM
     (`amx_linear` in cpu_ops.cpp) on a third copy laid out for it (in_features a multiple of
     32): the same float32 sums rounded once, in another order. A gate_up projection
     (`fuse_silu_mul`) then also gives its activation from the GEMM's last step (`silu_mul`),
@@ -128,6 +129,12 @@ class PackedLinear(nn.Module):
     """
 
     PACKED_MAX_ROWS = 64
+    # bfloat16 batches of this many rows or more take the AMX copy where there is one: at 32
+    # rows, SmolLM2's 120 decoder GEMMs in a row (weights out of L2, as in a decode step) took
+    # 9.95 ms against 15.13 on the blocks repacked for the integer GEMM (one layer's four, hot:
+    # 238 against 503 µs, oneDNN's 464); at 16 rows (padded to 32) 11.41 against 11.71 (Xeon
+    # model 207)
+    AMX_MIN_ROWS = 17
 
     # sluice's C++ kernels (as RMSNorm.cpu_ops): up to `small_linear_max_rows` rows (decoding one
     # or a few requests) stream the plain weight at the memory's speed, 1.4-1.6x faster here
@@ -137,7 +144,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight: torch.Tensor | None = weight.detach()  # [out, in]; None: `drop_plain`
         self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)  # opaque layout
+        # opaque layout; None: `drop_onednn`
+        self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         self.bias = None if bias is None else bias.detach()
         self.amx_ops = _amx_ops(self.weight)  # cpu_ops() where this weight can take AMX tiles
         self.amx = None if self.amx_ops is None else self.amx_ops.amx_pack_linear(self.weight)
@@ -154,23 +162,33 @@ class PackedLinear(nn.Module):
             and x.shape[1] % ops.small_linear_k_multiple == 0
         ):
             return ops.small_linear(x.contiguous(), self.weight, self.bias)
+        takes_amx = x.shape[0] >= self.AMX_MIN_ROWS or self.packed is None
+        if self.amx is not None and takes_amx and x.dtype == torch.bfloat16:
+            y = self.amx_ops.amx_linear(x, self.amx, self.out_features, self.amx_bias)
+            return _unpaired(y) if self.amx_gated else y
         if x.shape[0] <= self.PACKED_MAX_ROWS:
             return self._packed(x)
         if x.dtype == torch.float32:
             return torch.cat([self._packed(block) for block in x.split(self.PACKED_MAX_ROWS)])
-        if self.amx is not None:
-            y = self.amx_ops.amx_linear(x, self.amx, self.out_features, self.amx_bias)
-            return _unpaired(y) if self.amx_gated else y
         return F.linear(x, self.weight, self.bias)
 
     def drop_plain(self) -> bool:
-        """Free the plain weight where the AMX copy takes every batch past PACKED_MAX_ROWS
-        rows (True): for a caller whose batches start past small_linear's rows, the only
-        others that read it (such batches would then take oneDNN's copy, the same sums up to
-        order, more slowly)."""
+        """Free the plain weight where the AMX copy takes the batches past PACKED_MAX_ROWS
+        rows, the fallback's (True): for a caller whose batches start past small_linear's
+        rows, the only others that read it (such batches would then take oneDNN's copy, the
+        same sums up to order, more slowly)."""
         if self.amx is None:
             return False
         self.weight = None
+        return True
+
+    def drop_onednn(self) -> bool:
+        """Free oneDNN's reordered copy where the AMX copy exists (True): for a caller whose
+        batches all have AMX_MIN_ROWS rows or more, which the AMX copy takes (a smaller one
+        would take it too, its rows padded to a tile's)."""
+        if self.amx is None:
+            return False
+        self.packed = None
         return True
 
     def fuse_silu_mul(self) -> bool:
@@ -199,7 +217,7 @@ class PackedLinear(nn.Module):
         the AMX GEMM: what the kernels' silu_and_mul gives on the AMX GEMM's plain product (see
         `amx_linear`); None where these rows do not take it (`fuse_silu_mul` not done, or a
         batch of at most PACKED_MAX_ROWS rows), and the caller computes the two steps."""
-        if not self.amx_gated or x.shape[0] <= self.PACKED_MAX_ROWS or x.dtype != torch.bfloat16:
+        if not self.amx_gated or x.shape[0] < self.AMX_MIN_ROWS or x.dtype != torch.bfloat16:
             return None
         return self.amx_ops.amx_linear(x, self.amx, self.out_features, self.amx_bias, True)
 

@@ -80,8 +80,11 @@ class QuantLinear(nn.Module):
     # the integer GEMM's time over oneDNN's 0.82 at 16 rows, 1.18 at 32, 1.58 at 64, 2.2-2.7 at
     # 512-1024 (weights hot in the cache); a decode step of 32 rows, where the integer GEMM lets
     # the fused decode take it, 1209-1245 against 920-1080 tok/s; 64 rows 1160-1505 against
-    # 1475-1696 (benchmarks/decode_step.py).
-    AMX_PACKED_MAX_ROWS = 32
+    # 1475-1696 (benchmarks/decode_step.py). So without an AMX copy (SLUICE_AMX_LINEAR=0, an
+    # input width not a multiple of 32) oneDNN takes the float copy's batches past 32 rows;
+    # with one, sluice's own AMX GEMM beat both from 17 rows (PackedLinear.AMX_MIN_ROWS).
+    ONEDNN_PACKED_MAX_ROWS = 32
+    AMX_PACKED_MAX_ROWS = 16
 
     def __init__(
         self,
@@ -191,7 +194,8 @@ class QuantLinear(nn.Module):
         """Compute batches of `min_rows` rows or more with a second copy of the weight: the
         blocks repacked for the integer GEMM (`takes_packed`), else a float copy, a PackedLinear
         where oneDNN takes `dtype`, else a plain linear layer; on CPUs with AMX, the repacked
-        blocks up to `AMX_PACKED_MAX_ROWS` rows and a float copy past them."""
+        blocks up to `AMX_PACKED_MAX_ROWS` rows and a float copy past them (with no AMX copy in
+        it, up to `ONEDNN_PACKED_MAX_ROWS`)."""
         from sluice.model.layers import PackedLinear, can_pack_linears
 
         self.dense_min_rows, self.dense, self.packed = min_rows, None, None
@@ -201,18 +205,23 @@ class QuantLinear(nn.Module):
             self.packed_min_rows, self.packed_max_rows = min_rows, sys.maxsize
             if not has_amx_bf16():
                 return
-            self.packed_max_rows = max(min_rows, self.AMX_PACKED_MAX_ROWS)
-            self.dense_min_rows = self.packed_max_rows + 1
         weight = self.dequantized(dtype)
         bias = None if self.bias is None else self.bias.detach()  # shared: loaded in place
-        if can_pack_linears(weight.device, dtype):
-            self.dense = PackedLinear(weight, bias)
-            # its batches start past the block kernel's rows, so past small_linear's (fewer),
-            # the plain weight's only reader besides the fallback that the AMX copy replaces
-            if min_rows > self.KERNEL_MAX_ROWS:
-                self.dense.drop_plain()
-        else:
+        if not can_pack_linears(weight.device, dtype):
             self.dense = _PlainLinear(weight, bias)
+            return
+        self.dense = PackedLinear(weight, bias)
+        if self.packed is not None:  # AMX: the float copy takes the batches past the blocks'
+            amx = self.dense.amx is not None
+            most = self.AMX_PACKED_MAX_ROWS if amx else self.ONEDNN_PACKED_MAX_ROWS
+            self.packed_max_rows = max(min_rows, most)
+            self.dense_min_rows = self.packed_max_rows + 1
+        # its batches start past the block kernel's rows, so past small_linear's (fewer), the
+        # plain weight's only reader besides the fallback that the AMX copy replaces
+        if min_rows > self.KERNEL_MAX_ROWS:
+            self.dense.drop_plain()
+        if self.dense_min_rows >= PackedLinear.AMX_MIN_ROWS:  # all on the AMX copy, if any
+            self.dense.drop_onednn()
 
     def extra_repr(self) -> str:
         name = BLOCK_TYPES[self.qtype][0]
@@ -265,10 +274,11 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
         copies = (module.packed, getattr(dense, "weight", None), getattr(dense, "amx", None))
         for copy in copies:
             total += 0 if copy is None else copy.numel() * copy.element_size()
-        if isinstance(dense, PackedLinear):  # oneDNN's reordered copy: opaque, the weight's size
+        if getattr(dense, "packed", None) is not None:  # oneDNN's copy: opaque, the weight's size
             total += module.in_features * module.out_features * dtype.itemsize
         shape = (module.in_features, module.out_features, module.bias is not None)
-        if isinstance(module.dense, PackedLinear) and shape not in warmed:
+        onednn = isinstance(module.dense, PackedLinear) and module.dense.packed is not None
+        if onednn and shape not in warmed:
             warmed.add(shape)
             with torch.inference_mode():
                 for rows in range(module.dense_min_rows, PackedLinear.PACKED_MAX_ROWS + 1):
@@ -283,7 +293,7 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
         most = packed[0].packed_max_rows
         gemm = "oneDNN's AMX GEMM"
         if getattr(packed[0].dense, "amx", None) is not None:
-            gemm += f", sluice's past {PackedLinear.PACKED_MAX_ROWS} rows on a copy of its own"
+            gemm = "laid out for sluice's AMX GEMM"
         more = (
             f"the blocks repacked for the integer GEMM up to {most} rows and a {float_copy} "
             f"({gemm}) past {most}"

@@ -203,8 +203,8 @@ def _use_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype, hea
     amx = sum(isinstance(m, PackedLinear) and m.amx is not None for m in model.modules())
     if amx:
         logger.info(
-            "%d linear layers take batches of more than %d rows on sluice's AMX GEMM (%d gate_up "
-            "projections with their SiLU in it)", amx, PackedLinear.PACKED_MAX_ROWS, fused,
+            "%d linear layers take bfloat16 batches of %d rows or more on sluice's AMX GEMM (%d "
+            "gate_up projections with their SiLU in it)", amx, PackedLinear.AMX_MIN_ROWS, fused,
         )  # fmt: skip
 
 

@@ -51,9 +51,10 @@ ENV_VARS: dict[str, EnvVar] = {
     ),
     "SLUICE_AMX_LINEAR": EnvVar(
         "1",
-        "on CPUs with AMX, bfloat16 linear layers take batches of more than 64 rows (prefills) "
-        "through sluice's AMX GEMM, a gate_up projection with its SiLU in the same pass; 0: "
-        "oneDNN's GEMM (read when a layer is made)",
+        "on CPUs with AMX, bfloat16 linear layers take batches of 17 rows or more (prefills, "
+        "larger decode batches) through sluice's AMX GEMM, a gate_up projection with its SiLU "
+        "in the same pass; 0: oneDNN's GEMM, and GGUF blocks' integer GEMM up to 32 rows (read "
+        "when a layer is made)",
     ),
     "SLUICE_CUDA_SDPA": EnvVar(
         "flash,efficient,math",

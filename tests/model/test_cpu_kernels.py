@@ -619,12 +619,12 @@ def test_amx_linear_refuses_what_it_cannot_take(native_ops) -> None:
         ops.amx_linear(x, ops.amx_pack_linear(w[:48]), 48, None, True)
 
 
-def test_packed_linear_takes_the_amx_gemm_past_its_packed_rows(native_ops, monkeypatch) -> None:
-    """A bfloat16 PackedLinear: batches of more than PACKED_MAX_ROWS rows on the AMX GEMM; as a
-    gate_up projection (`fuse_silu_mul`, which moves the copy's tiles), `silu_mul` gives
-    silu_and_mul of the layer's output bit for bit from those batches, None for smaller ones,
-    and the plain output stays the same, with the plain weight dropped too (`drop_plain`).
-    SLUICE_AMX_LINEAR=0 leaves the layer without the AMX copy."""
+def test_packed_linear_takes_the_amx_gemm_from_its_amx_rows(native_ops, monkeypatch) -> None:
+    """A bfloat16 PackedLinear: batches of AMX_MIN_ROWS rows or more on the AMX GEMM, fewer on
+    oneDNN's copy (or small_linear); as a gate_up projection (`fuse_silu_mul`, which moves the
+    copy's tiles), `silu_mul` gives silu_and_mul of the layer's output bit for bit from those
+    batches, None for smaller ones, and the plain output stays the same, with the plain weight
+    dropped too (`drop_plain`). SLUICE_AMX_LINEAR=0 leaves the layer without the AMX copy."""
     _needs_amx(native_ops)
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(2 * 48, 64, generator=gen) / 8).bfloat16()
@@ -635,6 +635,8 @@ def test_packed_linear_takes_the_amx_gemm_past_its_packed_rows(native_ops, monke
     x = torch.randn(PackedLinear.PACKED_MAX_ROWS + 9, 64, generator=gen).bfloat16()
     plain = layer(x)
     assert torch.equal(plain, native_ops.amx_linear(x, layer.amx, 96, bias))
+    at_least = x[: PackedLinear.AMX_MIN_ROWS]  # a decode batch that takes it
+    assert torch.equal(layer(at_least), native_ops.amx_linear(at_least, layer.amx, 96, bias))
     assert layer.silu_mul(x) is None  # not a gate_up layer yet
     assert layer.fuse_silu_mul() and not layer.fuse_silu_mul()  # once
     gate, up = w.split(48)  # the copy laid out again from the rows paired by 16
@@ -642,15 +644,23 @@ def test_packed_linear_takes_the_amx_gemm_past_its_packed_rows(native_ops, monke
     assert torch.equal(layer.amx, native_ops.amx_pack_linear(paired))
     assert torch.equal(layer.silu_mul(x), native_ops.silu_and_mul(plain))
     assert torch.equal(layer(x), plain)
-    few = x[: PackedLinear.PACKED_MAX_ROWS]
+    assert torch.equal(layer(at_least), plain[: PackedLinear.AMX_MIN_ROWS])
+    assert torch.equal(layer.silu_mul(at_least), native_ops.silu_and_mul(plain)[: len(at_least)])
+    few = x[: PackedLinear.AMX_MIN_ROWS - 1]
     assert layer.silu_mul(few) is None
+    assert torch.equal(layer(few), layer._packed(few))
     small, tiny = layer(few), x[:2]  # tiny: small_linear's rows, on the plain weight
     assert layer.drop_plain() and layer.weight is None
     assert torch.equal(layer(x), plain) and torch.equal(layer(few), small)
     assert torch.equal(layer(tiny), layer._packed(tiny))  # now oneDNN's copy
+    assert layer.drop_onednn() and layer.packed is None  # then the AMX copy takes every batch
+    paired_out = native_ops.amx_linear(few, layer.amx, 96, layer.amx_bias)
+    order = torch.arange(96).reshape(3, 2, 16).transpose(0, 1).reshape(96)  # back from pairs
+    assert torch.equal(layer(few), paired_out[:, order])
     odd = PackedLinear(torch.randn(40, 64).bfloat16(), None)  # 20 gate rows: not pairs of 16
     assert odd.amx is not None and not odd.fuse_silu_mul()
-    assert not PackedLinear(torch.randn(40, 64), None).drop_plain()  # float32: no AMX copy
+    float32 = PackedLinear(torch.randn(40, 64), None)  # no AMX copy: nothing to drop
+    assert not float32.drop_plain() and not float32.drop_onednn()
     monkeypatch.setenv("SLUICE_AMX_LINEAR", "0")
     assert PackedLinear(w, bias).amx is None
 

@@ -153,14 +153,17 @@ def test_fused_decode_of_a_large_batch_gives_the_per_op_logits_exactly(
         assert torch.equal(with_fused, per_op)
 
 
-@pytest.mark.parametrize("dtype,rows", [(torch.float32, 12), (torch.bfloat16, 40)])
+@pytest.mark.parametrize(
+    "dtype,rows", [(torch.float32, 12), (torch.bfloat16, 20), (torch.bfloat16, 40)]
+)
 def test_fused_decode_of_a_float_copys_batch_gives_the_per_op_logits_exactly(
     tiny_llama_dir, dtype, rows
 ) -> None:
     """A batch the linear layers give their float copy (float32 past the block kernel's 8 rows;
     bfloat16 past AMX_PACKED_MAX_ROWS on CPUs with AMX): DecodeLayers calls oneDNN's GEMM on the
-    weight PackedLinear reordered, through the op PackedLinear calls, so the logits are the
-    per-op path's bit for bit."""
+    weight PackedLinear reordered, through the op PackedLinear calls, or (bfloat16) the AMX
+    GEMM on that copy's AMX copy, a gate_up's with its SiLU, so the logits are the per-op
+    path's bit for bit."""
     runner = _runner(tiny_llama_dir, dtype, "int4", requests=rows)
     layers = [m for m in runner.model.model.modules() if isinstance(m, QuantLinear)]
     dense = [m for m in layers if m.dense is not None and m.dense_min_rows <= rows]
@@ -169,6 +172,9 @@ def test_fused_decode_of_a_float_copys_batch_gives_the_per_op_logits_exactly(
     elif not dense:
         pytest.skip(f"bfloat16 batches of {rows} rows take the integer GEMM on this CPU (no AMX)")
     assert all(isinstance(m.dense, PackedLinear) for m in dense)
+    if dtype == torch.bfloat16:  # AMX: every layer's copy has its AMX copy, the gate_ups paired
+        assert all(m.dense.amx is not None for m in dense)
+        assert sum(m.dense.amx_gated for m in dense) == len(runner.model.model.layers)
     assert runner.fused_decode.max_rows == PackedLinear.PACKED_MAX_ROWS >= 1.5 * rows
     prompts = [[100 + 7 * b + i for i in range(1 + b % 2)] for b in range(rows)]
     pairs = _decode_both_ways(runner, steps=3, prompts=prompts)

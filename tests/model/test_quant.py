@@ -326,15 +326,24 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
     float32.keep_dense(torch.float32, min_rows=16)
     assert float32.packed is None and float32.dense is not None
     monkeypatch.setenv("SLUICE_QUANT_INT8_ACT", "1")
-    # AMX: the integer GEMM up to AMX_PACKED_MAX_ROWS rows, oneDNN's bfloat16 GEMM past them
+    # AMX: the integer GEMM up to AMX_PACKED_MAX_ROWS rows, the float copy's GEMMs past them
     monkeypatch.setattr(quant_module, "has_amx_bf16", lambda: True)
     amx = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
     amx.keep_dense(torch.bfloat16, min_rows=16)
     assert amx.packed is not None and amx.dense is not None
-    most = QuantLinear.AMX_PACKED_MAX_ROWS
+    # up to 16 rows where the float copy has its AMX copy (this CPU's tiles), else up to 32
+    has_tiles = amx.dense.amx is not None
+    most = QuantLinear.AMX_PACKED_MAX_ROWS if has_tiles else QuantLinear.ONEDNN_PACKED_MAX_ROWS
     assert (amx.packed_min_rows, amx.packed_max_rows, amx.dense_min_rows) == (16, most, most + 1)
+    assert (amx.dense.packed is None) == has_tiles  # oneDNN's copy only where it takes batches
+    monkeypatch.setenv("SLUICE_AMX_LINEAR", "0")
+    onednn = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
+    onednn.keep_dense(torch.bfloat16, min_rows=16)
+    assert onednn.dense.amx is None and onednn.dense.packed is not None
+    assert onednn.packed_max_rows == QuantLinear.ONEDNN_PACKED_MAX_ROWS
+    monkeypatch.delenv("SLUICE_AMX_LINEAR")
     assert torch.equal(amx(x[:2]), packed_ops.quant_linear(x[:2], raw, int(T.Q4_1), None, True))
-    assert torch.equal(amx(x), packed_ops.packed_linear(x, packed, 40, None))
+    assert torch.equal(amx(x[:most]), packed_ops.packed_linear(x[:most], packed, 40, None))
     many = torch.randn(most + 1, 96).bfloat16()
     assert torch.equal(amx(many), amx.dense(many))
     assert not torch.equal(amx(many), packed_ops.packed_linear(many, packed, 40, None))
@@ -344,8 +353,8 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
 def test_a_quant_gate_up_gives_its_silu_from_its_float_copys_amx_gemm(packed_ops, monkeypatch):
     """On a CPU with AMX, a block-weight gate_up projection's float copy (a PackedLinear) can
     give silu(gate) * up from its GEMM (`fuse_silu_mul`): `silu_mul` delegates to it for the
-    batches that copy takes past its oneDNN rows, and answers None for the others (the integer
-    GEMM's, oneDNN's), where the MLP computes the two steps."""
+    batches that copy takes on its AMX GEMM (from PackedLinear.AMX_MIN_ROWS rows), and answers
+    None for the others (the integer GEMM's), where the MLP computes the two steps."""
     from sluice.model.kernels import cpu_ops
     from sluice.model.layers import PackedLinear
 
@@ -359,12 +368,14 @@ def test_a_quant_gate_up_gives_its_silu_from_its_float_copys_amx_gemm(packed_ops
     layer.keep_dense(torch.bfloat16, min_rows=16)
     assert isinstance(layer.dense, PackedLinear) and layer.fuse_silu_mul()
     assert layer.dense.weight is None  # its batches start past small_linear's: no plain copy
-    most = PackedLinear.PACKED_MAX_ROWS
-    for rows in (20, QuantLinear.AMX_PACKED_MAX_ROWS + 1, most):
+    assert layer.dense.packed is None  # and at AMX_MIN_ROWS: no oneDNN copy either
+    assert QuantLinear.AMX_PACKED_MAX_ROWS + 1 == PackedLinear.AMX_MIN_ROWS
+    for rows in (1, QuantLinear.AMX_PACKED_MAX_ROWS):
         assert layer.silu_mul(torch.randn(rows, 96).bfloat16()) is None
-    x = torch.randn(most + 1, 96).bfloat16()
-    product = ops.amx_linear(x, ops.amx_pack_linear(layer.dequantized(torch.bfloat16)), 64)
-    assert torch.equal(layer.silu_mul(x), ops.silu_and_mul(product))
+    for rows in (PackedLinear.AMX_MIN_ROWS, PackedLinear.PACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 96).bfloat16()
+        product = ops.amx_linear(x, ops.amx_pack_linear(layer.dequantized(torch.bfloat16)), 64)
+        assert torch.equal(layer.silu_mul(x), ops.silu_and_mul(product))
     plain = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)  # no float copy: nothing fused
     assert not plain.fuse_silu_mul() and plain.silu_mul(x) is None
 

@@ -1810,7 +1810,9 @@ std::vector<int64_t> bind_compute_threads(const std::vector<int64_t>& cpus) {
 // the blocks repacked for the integer GEMM (`packed`), that GEMM; and for batches of at least
 // `dense_min_rows` rows where it keeps a float copy that oneDNN reordered (PackedLinear:
 // `dense`), oneDNN's GEMM on it through the op PackedLinear calls (mkldnn::_linear_pointwise),
-// as QuantLinear.forward picks. FusedDecode keeps batches within PackedLinear's rows.
+// or, for bfloat16 batches of at least `amx_min_rows` where that copy has one laid out for the
+// AMX GEMM, amx_linear_impl (a gate_up's giving the SiLU, as LlamaMLP takes it), as
+// QuantLinear.forward picks. FusedDecode keeps batches within PackedLinear's rows.
 // ---------------------------------------------------------------------------------------------
 using LinearRowsFn = void (*)(const void* x, bool x_bf16, const uint8_t* w, int64_t type,
                               bool int8_activations, const float* bias, void* y, int64_t M,
@@ -1830,10 +1832,16 @@ struct BlockLinear {  // y [M, N] = x [M, K] w^T, w the blocks of `type`, no bia
   int64_t packed_min_rows = 0;  // bfloat16 batches of this many rows or more take `packed`
   at::Tensor dense;   // the float copy as oneDNN reordered it, or undefined: never
   int64_t dense_min_rows = 0;  // batches of this many rows or more take `dense` (before packed)
+  at::Tensor amx;     // the float copy laid out for amx_linear (bfloat16), or undefined: never
+  bool amx_gated = false;      // its rows paired by 16 (a gate_up's): it gives silu(gate) * up
+  int64_t amx_min_rows = 0;    // bfloat16 batches of this many rows or more take `amx` (first)
+  at::Tensor amx_bias;         // zeros, one a padded output (amx_linear_impl reads a bias)
 };
-// w, type, K, int8, packed (or None), packed_min_rows, dense (or None), dense_min_rows
-using BlockLinearArgs = std::tuple<at::Tensor, int64_t, int64_t, bool, std::optional<at::Tensor>,
-                                   int64_t, std::optional<at::Tensor>, int64_t>;
+// w, type, K, int8, packed (or None), packed_min_rows, dense (or None), dense_min_rows, amx (or
+// None), amx_gated, amx_min_rows
+using BlockLinearArgs =
+    std::tuple<at::Tensor, int64_t, int64_t, bool, std::optional<at::Tensor>, int64_t,
+               std::optional<at::Tensor>, int64_t, std::optional<at::Tensor>, bool, int64_t>;
 
 // y = x w^T by oneDNN, w as torch.ops.mkldnn._reorder_linear_weight made it: PackedLinear's op.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
@@ -1848,7 +1856,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 BlockLinear block_linear(const BlockLinearArgs& a, int64_t K, int64_t N, const char* what) {
-  const auto& [w, type, k, int8, packed, packed_min_rows, dense, dense_min_rows] = a;
+  const auto& [w, type, k, int8, packed, packed_min_rows, dense, dense_min_rows, amx, amx_gated,
+               amx_min_rows] = a;
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
               w.is_contiguous(), what, ": contiguous 2-D uint8 blocks");
   TORCH_CHECK(k == K && (N < 0 || w.size(0) == N), what, ": [", w.size(0), ", ", k,
@@ -1874,6 +1883,19 @@ BlockLinear block_linear(const BlockLinearArgs& a, int64_t K, int64_t N, const c
                 SMALL_LINEAR_MAX_ROWS, " rows (and past packed_min_rows)");
     l.dense = *dense;
     l.dense_min_rows = dense_min_rows;
+  }
+  if (amx) {  // PackedLinear's AMX copy, which its bfloat16 batches of amx_min_rows or more take
+    const at::Tensor& t = *amx;
+    TORCH_CHECK(amx_linear_ok() && K % 32 == 0 && t.scalar_type() == at::kShort &&
+                t.is_contiguous() && t.numel() == (l.N + 31) / 32 * 32 * K &&
+                (!amx_gated || l.N % 32 == 0) && amx_min_rows > SMALL_LINEAR_MAX_ROWS &&
+                (!packed || amx_min_rows > packed_min_rows), what,
+                ": amx must be amx_pack_linear's [N, K] (a gate_up's paired: N a multiple of 32),"
+                " taken from more than ", SMALL_LINEAR_MAX_ROWS, " rows (and past packed_min_rows)");
+    l.amx = t;
+    l.amx_gated = amx_gated;
+    l.amx_min_rows = amx_min_rows;
+    l.amx_bias = at::zeros({(l.N + 31) / 32 * 32}, t.options().dtype(at::kFloat));
   }
   return l;
 }
@@ -2001,10 +2023,33 @@ class DecodeLayers {
                     kp[b * max_kv + l], " is outside the pool of ", slots);
   }
 
+  // Whether x's M rows take the layer's AMX copy, as PackedLinear picks.
+  template <typename T>
+  static bool takes_amx(const BlockLinear& l, int64_t M) {
+    return std::is_same_v<T, at::BFloat16> && l.amx.defined() && M >= l.amx_min_rows;
+  }
+
+  // y = x w^T on the AMX copy (x, y contiguous rows); with silu_mul (a gated copy), y is
+  // silu(gate) * up, [M, N / 2].
+  static void amx_into(const BlockLinear& l, const at::Tensor& x, at::Tensor& y, bool silu_mul) {
+#if defined(SLUICE_AMX_PREFIX)
+    amx_linear_impl(x.data_ptr<at::BFloat16>(), x.size(0), l.K,
+                    reinterpret_cast<const uint16_t*>(l.amx.data_ptr<int16_t>()), l.N,
+                    l.amx_bias.data_ptr<float>(), silu_mul, y.data_ptr<at::BFloat16>());
+#else
+    (void)l, (void)x, (void)y, (void)silu_mul;
+    TORCH_CHECK(false, "this build has no AMX tiles");
+#endif
+  }
+
   template <typename T>
   static void linear(const BlockLinear& l, const at::Tensor& x, at::Tensor& y) {
     constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
     const int64_t M = x.size(0);
+    if (takes_amx<T>(l, M) && !l.amx_gated) {
+      amx_into(l, x, y, false);
+      return;
+    }
     if (l.dense.defined() && M >= l.dense_min_rows) {
       y.copy_(onednn_linear(x, l.dense));
       return;
@@ -2061,8 +2106,12 @@ class DecodeLayers {
       attention_dispatch<T>(q, l.k_pool, l.v_pool, kv_indices, rows, lens, attn, scale_, shared);
       linear<T>(l.o, attn_rows, x);
       add_rms_norm_impl<T>(x, &residual, l.post_norm, eps_);
-      linear<T>(l.gate_up, x, gate_up);
-      silu_and_mul_impl<T>(gate_up, act);
+      if (takes_amx<T>(l.gate_up, B) && l.gate_up.amx_gated) {
+        amx_into(l.gate_up, x, act, true);  // the SiLU from the GEMM, as LlamaMLP takes it
+      } else {
+        linear<T>(l.gate_up, x, gate_up);
+        silu_and_mul_impl<T>(gate_up, act);
+      }
       linear<T>(l.down, act, x);
     }
     add_rms_norm_impl<T>(x, &residual, final_norm_, eps_);

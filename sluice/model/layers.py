@@ -125,7 +125,8 @@ class PackedLinear(nn.Module):
     without writing the [rows, 2 x intermediate] product out and reading it back. The third
     copy costs the weight's size again (SLUICE_AMX_LINEAR=0: none); a layer that never sees
     batches of a few rows (a block-weight layer's float copy, QuantLinear.keep_dense) then
-    drops its plain weight (`drop_plain`), which only those batches and the fallback read.
+    drops its plain weight (`drop_plain`), which only those batches and the fallback read,
+    and one whose batches all have AMX_MIN_ROWS rows or more oneDNN's copy (`drop_onednn`).
     """
 
     PACKED_MAX_ROWS = 64
@@ -216,12 +217,14 @@ class PackedLinear(nn.Module):
         """silu(gate) * up of this gate_up layer's output for x [N, in_features], computed in
         the AMX GEMM: what the kernels' silu_and_mul gives on the AMX GEMM's plain product (see
         `amx_linear`); None where these rows do not take it (`fuse_silu_mul` not done, or a
-        batch of at most PACKED_MAX_ROWS rows), and the caller computes the two steps."""
+        batch of fewer than AMX_MIN_ROWS rows), and the caller computes the two steps."""
         if not self.amx_gated or x.shape[0] < self.AMX_MIN_ROWS or x.dtype != torch.bfloat16:
             return None
         return self.amx_ops.amx_linear(x, self.amx, self.out_features, self.amx_bias, True)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:  # `drop_onednn`: only bfloat16 rows, on the AMX copy
+            raise TypeError(f"this layer keeps only its AMX copy: {x.dtype} rows cannot take it")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

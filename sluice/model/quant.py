@@ -54,8 +54,9 @@ class QuantLinear(nn.Module):
     x on the integer path (below) and AVX-512 VNNI, the second copy is instead the blocks
     repacked for an integer GEMM (`packed_linear`, 1.25 bytes a weight against bfloat16's 2),
     which rounds x as the per-row integer path does: a batch and a single row agree. CPUs with
-    AMX keep both copies: the repacked blocks up to `AMX_PACKED_MAX_ROWS` rows (a decode batch),
-    oneDNN's bfloat16 GEMM on a float copy past them (prefills), which rounds differently.
+    AMX keep both copies: the repacked blocks up to `AMX_PACKED_MAX_ROWS` rows (small decode
+    batches), a float copy past them (larger ones, prefills) on sluice's AMX GEMM (oneDNN's
+    past `ONEDNN_PACKED_MAX_ROWS` where the copy has no AMX copy), which rounds differently.
 
     With bfloat16 x the kernel rounds each 32-value block of x to int8 with a float scale and
     takes integer dot products (VNNI where the CPU has it), as llama.cpp does: y then differs
@@ -181,9 +182,10 @@ class QuantLinear(nn.Module):
         """Batches of many `dtype` rows go through the integer GEMM on repacked blocks: bfloat16
         x on the integer path, for the 32-value types, where the kernels have that GEMM
         (AVX-512 VNNI; `ops.packed_types`). On CPUs with AMX only up to `AMX_PACKED_MAX_ROWS`
-        rows: past them oneDNN's bfloat16 GEMM on a float copy is the faster one (Xeon model
-        167, `serving.py`: mixed 399 -> 478 output tok/s, shared-prefix 352 -> 390). The
-        K-quants keep a float copy."""
+        rows (`ONEDNN_PACKED_MAX_ROWS` without an AMX copy): past them a bfloat16 GEMM on a
+        float copy is the faster one (oneDNN's, Xeon model 167, `serving.py`: mixed 399 -> 478
+        output tok/s, shared-prefix 352 -> 390; sluice's AMX GEMM from 17 rows, see
+        PackedLinear.AMX_MIN_ROWS). The K-quants keep a float copy."""
         return (
             dtype == torch.bfloat16
             and self.int8_activations
@@ -207,15 +209,17 @@ class QuantLinear(nn.Module):
                 return
         weight = self.dequantized(dtype)
         bias = None if self.bias is None else self.bias.detach()  # shared: loaded in place
-        if not can_pack_linears(weight.device, dtype):
+        if can_pack_linears(weight.device, dtype):
+            self.dense = PackedLinear(weight, bias)
+        else:
             self.dense = _PlainLinear(weight, bias)
-            return
-        self.dense = PackedLinear(weight, bias)
         if self.packed is not None:  # AMX: the float copy takes the batches past the blocks'
-            amx = self.dense.amx is not None
+            amx = getattr(self.dense, "amx", None) is not None
             most = self.AMX_PACKED_MAX_ROWS if amx else self.ONEDNN_PACKED_MAX_ROWS
             self.packed_max_rows = max(min_rows, most)
             self.dense_min_rows = self.packed_max_rows + 1
+        if not isinstance(self.dense, PackedLinear):
+            return
         # its batches start past the block kernel's rows, so past small_linear's (fewer), the
         # plain weight's only reader besides the fallback that the AMX copy replaces
         if min_rows > self.KERNEL_MAX_ROWS:

@@ -142,8 +142,8 @@ def test_fused_decode_of_a_large_batch_gives_the_per_op_logits_exactly(
     tiny_llama_dir, quantization
 ) -> None:
     """Past the block kernel's 8 rows, where the linear layers take the integer GEMM on
-    repacked blocks (bfloat16 on AVX-512 VNNI CPUs; with AMX up to 32 rows) or a float copy
-    (elsewhere), DecodeLayers calls it too."""
+    repacked blocks (bfloat16 on AVX-512 VNNI CPUs; with AMX up to 16 rows, or 32 without an
+    AMX copy) or a float copy (elsewhere), DecodeLayers calls it too."""
     runner = _runner(tiny_llama_dir, torch.bfloat16, quantization)
     prompts = [[100 + 7 * b + i for i in range(1 + b % 5)] for b in range(10)]  # 10 requests
     pairs = _decode_both_ways(runner, steps=4, prompts=prompts)

@@ -342,6 +342,15 @@ def test_quant_linear_module_takes_the_packed_gemm_for_many_bf16_rows(
     assert onednn.dense.amx is None and onednn.dense.packed is not None
     assert onednn.packed_max_rows == QuantLinear.ONEDNN_PACKED_MAX_ROWS
     monkeypatch.delenv("SLUICE_AMX_LINEAR")
+    import sluice.model.layers as layers_module
+
+    with monkeypatch.context() as patch:  # no oneDNN: a plain float copy, past 32 rows
+        patch.setattr(layers_module, "can_pack_linears", lambda *_: False)
+        plain = QuantLinear(raw, int(T.Q4_1), 96, None, packed_ops)
+        plain.keep_dense(torch.bfloat16, min_rows=16)
+    assert not isinstance(plain.dense, layers_module.PackedLinear)
+    assert (plain.packed_max_rows, plain.dense_min_rows) == (32, 33)
+    assert torch.equal(plain(x[:16]), packed_ops.packed_linear(x[:16], packed, 40, None))
     assert torch.equal(amx(x[:2]), packed_ops.quant_linear(x[:2], raw, int(T.Q4_1), None, True))
     assert torch.equal(amx(x[:most]), packed_ops.packed_linear(x[:most], packed, 40, None))
     many = torch.randn(most + 1, 96).bfloat16()

@@ -18,8 +18,8 @@ attention SDPA or the kernels' AMX attention takes, more tokens, another cache, 
 input embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps
 its blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs: DecodeLayers calls
 that GEMM as QuantLinear does); a float copy for many rows (past 16 rows on CPUs with AMX, 32
-where it has no AMX copy, past
-the block kernel's 8 for float32, the K-quants and CPUs without VNNI) bounds it at the 64 rows
+where it has no AMX copy, past the block kernel's 8 for float32, the K-quants and CPUs without
+VNNI) bounds it at the 64 rows
 that copy takes through oneDNN's reordered weight (PackedLinear), whose op DecodeLayers calls
 too, or, in bfloat16 from 17 rows on CPUs with AMX, through sluice's AMX GEMM on the copy's
 AMX copy (a gate_up's giving its SiLU), which DecodeLayers calls too: on the Xeon lscpu model

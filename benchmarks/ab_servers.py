@@ -16,8 +16,8 @@ prefill) over the first configuration's, lower being better, and for a peer the 
 configuration's over the peer's (issue 14's TTFT goal). While one member runs its trial, the
 others are stopped (SIGSTOP, then SIGCONT; `--keep-others-running` leaves them be): an idle
 sluice sleeps (its scheduler blocks on its sockets once its OpenMP threads have stopped
-spinning), but an idle vLLM does not (`others_stopped`). With OpenMP's ACTIVE wait policy a sluice's threads spin for ever, so such a
-configuration is refused.
+spinning), but an idle vLLM does not (`others_stopped`). With OpenMP's ACTIVE wait policy a
+sluice's threads spin for ever, so such a configuration is refused.
 
     .venv/bin/python benchmarks/ab_servers.py --config "omp" \\
         --config "pool:SLUICE_KERNEL_POOL=1" [--config "label:ENV=V,ENV2=W:--flag value"] \\

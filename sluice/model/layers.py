@@ -144,7 +144,8 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.weight: torch.Tensor | None = weight.detach()  # [out, in]; None: `drop_plain`
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         # opaque layout; None: `drop_onednn`
         self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         self.bias = None if bias is None else bias.detach()
@@ -172,6 +173,17 @@ class PackedLinear(nn.Module):
         if x.dtype == torch.float32:
             return torch.cat([self._packed(block) for block in x.split(self.PACKED_MAX_ROWS)])
         return F.linear(x, self.weight, self.bias)
+
+    def warm_onednn(self, rows_from: int = 1) -> None:
+        """Build oneDNN's kernel for each row count from `rows_from` that its copy takes (up to
+        PACKED_MAX_ROWS; where the AMX copy takes AMX_MIN_ROWS and more, up to those), so that
+        the memory they keep is paid at start-up rather than in the first minutes of serving."""
+        if self.packed is None:
+            return
+        last = self.AMX_MIN_ROWS - 1 if self.amx is not None else self.PACKED_MAX_ROWS
+        with torch.inference_mode():
+            for rows in range(rows_from, last + 1):
+                self._packed(torch.zeros(rows, self.in_features, dtype=self.dtype))
 
     def drop_plain(self) -> bool:
         """Free the plain weight where the AMX copy takes the batches past PACKED_MAX_ROWS
@@ -286,9 +298,7 @@ def pack_linears(model: nn.Module) -> int:
         shape = (child.in_features, child.out_features, child.bias is not None)
         if shape not in warmed:
             warmed.add(shape)
-            with torch.inference_mode():
-                for rows in range(1, PackedLinear.PACKED_MAX_ROWS + 1):
-                    packed(torch.zeros(rows, child.in_features, dtype=child.weight.dtype))
+            packed.warm_onednn()
     return len(targets)
 
 

@@ -284,9 +284,7 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
         onednn = isinstance(module.dense, PackedLinear) and module.dense.packed is not None
         if onednn and shape not in warmed:
             warmed.add(shape)
-            with torch.inference_mode():
-                for rows in range(module.dense_min_rows, PackedLinear.PACKED_MAX_ROWS + 1):
-                    module.dense(torch.zeros(rows, module.in_features, dtype=dtype))
+            module.dense.warm_onednn(module.dense_min_rows)
     packed = [m for m in modules if m.packed is not None]
     float_copy = str(dtype).removeprefix("torch.") + " copy"
     if not packed:

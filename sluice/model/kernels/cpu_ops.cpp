@@ -980,8 +980,8 @@ void amx_pack_impl(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
 // values), b the B tiles of 32 outputs; `ahead`, if not null, the B tiles to fetch into L2;
 // `xn`, if not null, `xn_rows` rows of the `xn_steps` steps of x that the next pass reads (row
 // stride lda), their lines a row fetched into L2 a step at a time (step ks: lines ks, ks +
-// steps, ...). between(ks) runs after each step's tile
-// instructions are issued: vector work there overlaps the tiles' (the last block's rounding).
+// steps, ...). between(ks) runs after each step's tile instructions are issued: vector work
+// there overlaps the tiles' (the last block's rounding).
 template <typename Between>
 inline void amx_linear_steps(const at::BFloat16* a, int64_t lda, const uint16_t* b, int64_t steps,
                              const uint16_t* ahead, const at::BFloat16* xn, int64_t xn_rows,

@@ -8,8 +8,8 @@ per decode token: wall ms and tok/s, the process's CPU ms (every thread, OpenMP'
 and the main thread's CPU ms; then the medians and the fused/per-op ratios. `--breakdown` adds,
 per decode step, where the main thread's time goes: the decoder layers, the LM head, the rest of
 the forward, and the scheduler's own work outside the forward (batch building, sampling, output). A batch
-larger than the fused decode takes on this machine (`FusedDecode.max_rows`: 8 or 32 where a
-float copy computes larger batches, float32 and CPUs with AMX) runs the per-op path alone.
+larger than the fused decode takes on this machine (`FusedDecode.max_rows`: 64 where a float
+copy without an AMX copy computes larger batches, as in float32) runs the per-op path alone.
 
     .venv/bin/python benchmarks/decode_step.py [--rounds 5] [--output-len 256] \
         [--batch-sizes 1,4,8] [--dtype bfloat16] [--threads 2] [--breakdown]

@@ -15,17 +15,22 @@ log says why. Per batch it takes, over its own KV cache and up to `max_rows` tok
 arriving prompt, above all), each new token a row of its own that reads its request's slots up
 to its position, as `extend_attention` does. Every other batch (a dense prefill, whose
 attention SDPA or the kernels' AMX attention takes, more tokens, another cache, a vision model's
-input embeddings) takes the per-op path. `max_rows` is unbounded where every linear layer keeps
-its blocks, or the blocks repacked for the integer GEMM past 8 rows (bfloat16 on AVX-512 VNNI CPUs: DecodeLayers calls
-that GEMM as QuantLinear does); a float copy for many rows (past 16 rows on CPUs with AMX, 32
-where it has no AMX copy, past the block kernel's 8 for float32, the K-quants and CPUs without
-VNNI) bounds it at the 64 rows
-that copy takes through oneDNN's reordered weight (PackedLinear), whose op DecodeLayers calls
-too, or, in bfloat16 from 17 rows on CPUs with AMX, through sluice's AMX GEMM on the copy's
-AMX copy (a gate_up's giving its SiLU), which DecodeLayers calls too: on the Xeon lscpu model
-167, bfloat16, SmolLM2-135M, fused 1293.9 tok/s at 40 rows and 1756.1 at 64 against 1079.1
-and 1466.7 layer by layer, on oneDNN (`benchmarks/decode_step.py --rounds 2 --output-len 64
---batch-sizes 1,40,64`).
+input embeddings) takes the per-op path.
+
+`max_rows` follows the linear layers. DecodeLayers calls whatever GEMM QuantLinear would call
+for the same rows:
+- the blocks, or (bfloat16 past 8 rows on AVX-512 VNNI CPUs) the blocks repacked for the
+  integer GEMM: any number of rows;
+- in bfloat16 on CPUs with AMX, the float copy's AMX copy from 17 rows on (a gate_up's giving
+  its SiLU): any number of rows too;
+- otherwise a float copy past 8 rows (float32, the K-quants, CPUs without VNNI) through
+  oneDNN's reordered weight (PackedLinear): at most its 64 rows.
+
+On the Xeon lscpu model 167 (bfloat16, SmolLM2-135M, on oneDNN) the fused path decoded 1293.9
+tok/s at 40 rows and 1756.1 at 64 against 1079.1 and 1466.7 layer by layer; on model 207, on
+the AMX copy, 1.21x at 96 rows, 1.15x at 128 and 0.99x at 192 (`benchmarks/decode_step.py
+--rounds 3 --output-len 64 --batch-sizes 96,128,192`).
+
 SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it off in place
 (benchmarks/decode_step.py compares the two in one process).
 """
@@ -155,19 +160,31 @@ def why_not_fused(stack: LlamaModel, kv: KVCache) -> str | None:
 
 def _max_rows(stack: LlamaModel) -> int:
     """Rows the fused path takes: any number while every linear layer computes them with its
-    blocks, or with the blocks repacked for the integer GEMM (`packed`, which DecodeLayers
-    calls too); a layer with a float copy for many rows (`dense`) bounds it at the rows that
-    copy takes through oneDNN's reordered weight (a PackedLinear's PACKED_MAX_ROWS, which
+    blocks, with the blocks repacked for the integer GEMM (`packed`), or, in bfloat16, with
+    its float copy's AMX copy from at most PACKED_MAX_ROWS rows on (DecodeLayers calls each of
+    them too); a layer with another float copy for many rows (`dense`) bounds it at the rows
+    that copy takes through oneDNN's reordered weight (a PackedLinear's PACKED_MAX_ROWS, which
     DecodeLayers calls too), or below that copy's rows where it has none."""
     rows = sys.maxsize
     for layer in stack.layers:
         for name in _LINEARS:
             module = layer.get_submodule(name)
             if isinstance(module.dense, PackedLinear):
-                rows = min(rows, module.dense.PACKED_MAX_ROWS)
+                if not _amx_takes_the_rest(module):
+                    rows = min(rows, module.dense.PACKED_MAX_ROWS)
             elif module.dense is not None:
                 rows = min(rows, module.dense_min_rows - 1)
     return rows
+
+
+def _amx_takes_the_rest(module: QuantLinear) -> bool:
+    """Whether every batch past oneDNN's rows takes the layer's float copy's AMX copy, in both
+    paths: bfloat16 from `_block_args`' amx_min_rows on, within PACKED_MAX_ROWS."""
+    dense = module.dense
+    return (
+        dense.amx is not None and dense.dtype == torch.bfloat16
+        and max(PackedLinear.AMX_MIN_ROWS, module.dense_min_rows) <= dense.PACKED_MAX_ROWS
+    )  # fmt: skip
 
 
 def _block_args(module: QuantLinear) -> tuple:

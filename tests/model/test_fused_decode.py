@@ -107,15 +107,16 @@ def _decode_both_ways(
 
 
 def _max_rows(runner: ModelRunner) -> int:
-    """The rows the fused decode should take: any number where the linear layers compute
-    batches past the block kernel's rows with the integer GEMM on repacked blocks (which
-    DecodeLayers calls too); where a float copy takes some batches (past the block kernel's 8
-    rows, or past AMX_PACKED_MAX_ROWS on CPUs with AMX), the rows of that copy's oneDNN path,
-    which DecodeLayers calls too."""
-    modules = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
-    if all(m.dense is None for m in modules):
-        return sys.maxsize
-    assert all(isinstance(m.dense, PackedLinear) for m in modules if m.dense is not None)
+    """The rows the fused decode should take: any number where the decoder's linear layers
+    compute batches past the block kernel's rows with the integer GEMM on repacked blocks, or
+    (bfloat16 on CPUs with AMX) with their float copy's AMX copy (which DecodeLayers calls
+    too); where a float copy without one takes some batches (past the block kernel's 8 rows),
+    the rows of that copy's oneDNN path, which DecodeLayers calls too."""
+    modules = [m for m in runner.model.model.layers.modules() if isinstance(m, QuantLinear)]
+    copies = [m.dense for m in modules if m.dense is not None]
+    assert all(isinstance(c, PackedLinear) for c in copies)
+    if all(c.amx is not None and c.dtype == torch.bfloat16 for c in copies):
+        return sys.maxsize  # every batch past oneDNN's rows takes the AMX copies
     return PackedLinear.PACKED_MAX_ROWS
 
 
@@ -154,16 +155,17 @@ def test_fused_decode_of_a_large_batch_gives_the_per_op_logits_exactly(
 
 
 @pytest.mark.parametrize(
-    "dtype,rows", [(torch.float32, 12), (torch.bfloat16, 20), (torch.bfloat16, 40)]
+    "dtype,rows",
+    [(torch.float32, 12), (torch.bfloat16, 20), (torch.bfloat16, 40), (torch.bfloat16, 80)],
 )
 def test_fused_decode_of_a_float_copys_batch_gives_the_per_op_logits_exactly(
     tiny_llama_dir, dtype, rows
 ) -> None:
     """A batch the linear layers give their float copy (float32 past the block kernel's 8 rows;
-    bfloat16 past AMX_PACKED_MAX_ROWS on CPUs with AMX): DecodeLayers calls oneDNN's GEMM on the
-    weight PackedLinear reordered, through the op PackedLinear calls, or (bfloat16) the AMX
-    GEMM on that copy's AMX copy, a gate_up's with its SiLU, so the logits are the per-op
-    path's bit for bit."""
+    bfloat16 past AMX_PACKED_MAX_ROWS on CPUs with AMX, also past oneDNN's 64 rows there):
+    DecodeLayers calls oneDNN's GEMM on the weight PackedLinear reordered, through the op
+    PackedLinear calls, or (bfloat16) the AMX GEMM on that copy's AMX copy, a gate_up's with
+    its SiLU, so the logits are the per-op path's bit for bit."""
     runner = _runner(tiny_llama_dir, dtype, "int4", requests=rows)
     layers = [m for m in runner.model.model.modules() if isinstance(m, QuantLinear)]
     dense = [m for m in layers if m.dense is not None and m.dense_min_rows <= rows]
@@ -173,10 +175,12 @@ def test_fused_decode_of_a_float_copys_batch_gives_the_per_op_logits_exactly(
         pytest.skip(f"bfloat16 batches of {rows} rows take the integer GEMM on this CPU (no AMX)")
     assert all(isinstance(m.dense, PackedLinear) for m in dense)
     amx = cpu_ops() is not None and cpu_ops().amx_linear_ok()
+    if rows > PackedLinear.PACKED_MAX_ROWS and not amx:
+        pytest.skip(f"{rows} rows are past oneDNN's copy's, which the fused decode then leaves")
     if dtype == torch.bfloat16 and amx:  # every layer's copy has its AMX copy, gate_ups paired
         assert all(m.dense.amx is not None for m in dense)
         assert sum(m.dense.amx_gated for m in dense) == len(runner.model.model.layers)
-    assert runner.fused_decode.max_rows == PackedLinear.PACKED_MAX_ROWS >= 1.5 * rows
+    assert runner.fused_decode.max_rows == _max_rows(runner) >= 1.5 * rows
     prompts = [[100 + 7 * b + i for i in range(1 + b % 2)] for b in range(rows)]
     pairs = _decode_both_ways(runner, steps=3, prompts=prompts)
     assert runner.fused_decode.steps == 4  # the prefill too: at most 1.5 * rows tokens

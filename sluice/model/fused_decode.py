@@ -83,10 +83,15 @@ class FusedDecode:
             )  # fmt: skip
 
     def supports(self, fb: ForwardBatch, kv: KVCache) -> bool:
+        """Whether this batch takes the fused path: `takes` it, and `enabled`."""
+        return self.enabled and self.takes(fb, kv)
+
+    def takes(self, fb: ForwardBatch, kv: KVCache) -> bool:
         """A decode step, or an extend whose queries the per-op path gives the kernels' attention
         too (few a request, e.g. a mixed step: decoding rows beside a prompt's uncached tail),
-        of at most `max_rows` tokens, over this cache."""
-        if not self.enabled or kv is not self.kv:
+        of at most `max_rows` tokens, over this cache. Whether or not `enabled`: the per-op
+        path keeps such a batch's arithmetic the same then (LlamaModel.forward's `rows`)."""
+        if kv is not self.kv:
             return False
         if fb.mode == ForwardMode.DECODE:
             return 1 <= fb.batch_size <= self.max_rows

@@ -1,0 +1,69 @@
+"""The llama stack's last layer past attention (o_proj, the MLP) and the final norm run on the
+rows whose logits are wanted alone: a prompt's other rows need only their K/V, which every
+layer still writes. Checked against the same forward run to the end on every row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.model.forward_batch import ForwardMode
+from tests.model.test_fused_decode import _batch, _runner
+
+
+def _mlp_rows(runner) -> list[int]:
+    """Rows each decoder layer's MLP saw in the forwards since, one list entry a call."""
+    seen: list[int] = []
+    for layer in runner.model.model.layers:
+        layer.mlp.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    return seen
+
+
+def _full_rows_logits(runner, fb) -> torch.Tensor:
+    """The logits of `fb.logits_index` from hidden states computed on every row."""
+    model = runner.model
+    with torch.inference_mode():
+        hidden = model.model(fb, runner.kv)[fb.logits_index]
+        return model.lm_head(hidden).float()
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_a_prefills_last_layer_runs_on_the_logits_rows_alone(tiny_llama_dir, quantization):
+    runner = _runner(tiny_llama_dir, torch.float32, quantization)
+    prompts = [list(range(100 * b, 100 * b + 30)) for b in range(1, 4)]  # 90 rows, 3 wanted
+    fb = _batch(ForwardMode.EXTEND, prompts, [0, 0, 0])
+    if runner.fused_decode is not None:  # past its 64 rows in float32: per op
+        assert not runner.fused_decode.takes(fb, runner.kv)
+    seen = _mlp_rows(runner)
+    logits = runner.forward(fb)
+    layers = len(runner.model.model.layers)
+    assert seen == [90] * (layers - 1) + [3]
+    full = _full_rows_logits(runner, fb)  # over the same slots, with the same K/V
+    assert logits.shape == full.shape == (3, full.shape[1])
+    assert torch.allclose(logits, full, atol=1e-4, rtol=1e-4), (logits - full).abs().max()
+
+
+def test_every_row_runs_to_the_end_where_every_rows_logits_are_wanted(tiny_llama_dir):
+    runner = _runner(tiny_llama_dir, torch.float32, "none")
+    tokens = [list(range(100, 110))]
+    fb = _batch(ForwardMode.EXTEND, tokens, [0])
+    fb.logits_index = torch.arange(10)  # prompt logprobs: every row's logits
+    fb.all_logits = True
+    seen = _mlp_rows(runner)
+    assert runner.forward(fb).shape[0] == 10
+    assert seen == [10] * len(runner.model.model.layers)
+
+
+def test_a_batch_the_fused_path_takes_keeps_its_rows_while_it_is_off(tiny_llama_dir):
+    """Turned off in place (`enabled`), the fused path's batches run every row to the end, so
+    that the per-op path's logits still equal the fused path's bit for bit."""
+    runner = _runner(tiny_llama_dir, torch.float32, "int4")
+    fused = runner.fused_decode
+    fb = _batch(ForwardMode.EXTEND, [[101, 102, 103, 104], [201, 202]], [0, 0])
+    assert fused.takes(fb, runner.kv)
+    with_fused = runner.forward(fb)
+    fused.enabled = False
+    seen = _mlp_rows(runner)
+    per_op = runner.forward(fb)
+    assert seen == [6] * len(runner.model.model.layers)
+    assert torch.equal(with_fused, per_op)

@@ -83,15 +83,10 @@ class FusedDecode:
             )  # fmt: skip
 
     def supports(self, fb: ForwardBatch, kv: KVCache) -> bool:
-        """Whether this batch takes the fused path: `takes` it, and `enabled`."""
-        return self.enabled and self.takes(fb, kv)
-
-    def takes(self, fb: ForwardBatch, kv: KVCache) -> bool:
         """A decode step, or an extend whose queries the per-op path gives the kernels' attention
         too (few a request, e.g. a mixed step: decoding rows beside a prompt's uncached tail),
-        of at most `max_rows` tokens, over this cache. Whether or not `enabled`: the per-op
-        path keeps such a batch's arithmetic the same then (LlamaModel.forward's `rows`)."""
-        if kv is not self.kv:
+        of at most `max_rows` tokens, over this cache."""
+        if not self.enabled or kv is not self.kv:
             return False
         if fb.mode == ForwardMode.DECODE:
             return 1 <= fb.batch_size <= self.max_rows
@@ -105,16 +100,17 @@ class FusedDecode:
             and not (split and fb.max_q >= self.attention.DENSE_MIN_QUERIES)
         )  # fmt: skip
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """The final-norm hidden states [T, hidden] of the batch's tokens, each token's K/V
-        written into the cache as the per-op path writes them."""
+    def forward(self, fb: ForwardBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm hidden states [T, hidden] of the batch's tokens, or [len(rows),
+        hidden] of those rows (the last layer past attention on them alone, as the per-op path
+        runs it), each token's K/V written into the cache as the per-op path writes them."""
         self.steps += 1
         shared = self.attention.shared_prefix(fb, self.dtype)
         decode = fb.mode == ForwardMode.DECODE
         return self.layers.forward(
             fb.input_ids, fb.positions, fb.out_cache_loc, fb.kv_indices.contiguous(),
             fb.seq_lens if decode else fb.q_seq_lens, None if decode else fb.q_rows,
-            shared_prefix=shared.slots, shared_requests=shared.requests,
+            shared_prefix=shared.slots, shared_requests=shared.requests, logits_rows=rows,
         )  # fmt: skip
 
 

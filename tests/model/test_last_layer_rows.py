@@ -33,7 +33,7 @@ def test_a_prefills_last_layer_runs_on_the_logits_rows_alone(tiny_llama_dir, qua
     prompts = [list(range(100 * b, 100 * b + 30)) for b in range(1, 4)]  # 90 rows, 3 wanted
     fb = _batch(ForwardMode.EXTEND, prompts, [0, 0, 0])
     if runner.fused_decode is not None:  # past its 64 rows in float32: per op
-        assert not runner.fused_decode.takes(fb, runner.kv)
+        assert not runner.fused_decode.supports(fb, runner.kv)
     seen = _mlp_rows(runner)
     logits = runner.forward(fb)
     layers = len(runner.model.model.layers)
@@ -54,16 +54,23 @@ def test_every_row_runs_to_the_end_where_every_rows_logits_are_wanted(tiny_llama
     assert seen == [10] * len(runner.model.model.layers)
 
 
-def test_a_batch_the_fused_path_takes_keeps_its_rows_while_it_is_off(tiny_llama_dir):
-    """Turned off in place (`enabled`), the fused path's batches run every row to the end, so
-    that the per-op path's logits still equal the fused path's bit for bit."""
-    runner = _runner(tiny_llama_dir, torch.float32, "int4")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_path_runs_the_same_rows_to_the_end(tiny_llama_dir, dtype):
+    """DecodeLayers runs the last layer past attention on the logits rows alone too, so its
+    logits still equal the per-op path's bit for bit; a row outside the step is refused."""
+    runner = _runner(tiny_llama_dir, dtype, "int4")
     fused = runner.fused_decode
     fb = _batch(ForwardMode.EXTEND, [[101, 102, 103, 104], [201, 202]], [0, 0])
-    assert fused.takes(fb, runner.kv)
+    assert fused.supports(fb, runner.kv) and fb.logits_index.tolist() == [3, 5]
+    steps = fused.steps
     with_fused = runner.forward(fb)
+    assert fused.steps == steps + 1
     fused.enabled = False
     seen = _mlp_rows(runner)
     per_op = runner.forward(fb)
-    assert seen == [6] * len(runner.model.model.layers)
+    assert seen == [6] * (len(runner.model.model.layers) - 1) + [2]
+    assert with_fused.shape == per_op.shape == (2, per_op.shape[1])
     assert torch.equal(with_fused, per_op)
+    fused.enabled = True
+    with pytest.raises(RuntimeError, match="outside the step"):
+        fused.forward(fb, torch.tensor([3, 6]))

@@ -1812,7 +1812,9 @@ std::vector<int64_t> bind_compute_threads(const std::vector<int64_t>& cpus) {
 // `dense`), oneDNN's GEMM on it through the op PackedLinear calls (mkldnn::_linear_pointwise),
 // or, for bfloat16 batches of at least `amx_min_rows` where that copy has one laid out for the
 // AMX GEMM, amx_linear_impl (a gate_up's giving the SiLU, as LlamaMLP takes it), as
-// QuantLinear.forward picks. FusedDecode keeps batches within PackedLinear's rows.
+// QuantLinear.forward picks. FusedDecode keeps batches within PackedLinear's rows. Given
+// `logits_rows`, the last layer runs o_proj, its MLP and the final norm on those rows alone and
+// only their hidden states are returned, as LlamaModel.forward's `rows` (every row's K/V written).
 // ---------------------------------------------------------------------------------------------
 using LinearRowsFn = void (*)(const void* x, bool x_bf16, const uint8_t* w, int64_t type,
                               bool int8_activations, const float* bias, void* y, int64_t M,
@@ -1961,17 +1963,30 @@ class DecodeLayers {
                      const at::Tensor& out_cache_loc, const at::Tensor& kv_indices,
                      const at::Tensor& seq_lens, const std::optional<at::Tensor>& q_rows,
                      int64_t shared_prefix,
-                     const std::optional<at::Tensor>& shared_requests) const {
+                     const std::optional<at::Tensor>& shared_requests,
+                     const std::optional<at::Tensor>& logits_rows) const {
     TORCH_CHECK(linear_rows != nullptr, "DecodeLayers needs quant_ops' linear (_adopt_quant_linear)");
     TORCH_CHECK(!layers_.empty(), "DecodeLayers has no layers");
     check_step(input_ids, positions, out_cache_loc, kv_indices, seq_lens, q_rows);
     const int64_t* rows = q_rows ? q_rows->data_ptr<int64_t>() : nullptr;
     const SharedPrefix shared =
         check_shared_prefix(kv_indices, rows, seq_lens, shared_prefix, shared_requests);
+    const int64_t T = input_ids.size(0);
+    if (logits_rows) {
+      const at::Tensor& kept = *logits_rows;
+      TORCH_CHECK(kept.device().is_cpu() && kept.is_contiguous() && kept.dim() == 1 &&
+                  kept.scalar_type() == at::kLong && kept.size(0) >= 1,
+                  "logits_rows: [R] contiguous int64, R >= 1");
+      const int64_t* kp = kept.data_ptr<int64_t>();
+      for (int64_t r = 0; r < kept.size(0); ++r)
+        TORCH_CHECK(kp[r] >= 0 && kp[r] < T, "logits_rows[", r, "] = ", kp[r],
+                    " is outside the step's ", T, " tokens");
+    }
     if (embed_.scalar_type() == at::kFloat)
-      return run<float>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows, shared);
+      return run<float>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows, shared,
+                        logits_rows);
     return run<at::BFloat16>(input_ids, positions, out_cache_loc, kv_indices, seq_lens, rows,
-                             shared);
+                             shared, logits_rows);
   }
 
  private:
@@ -2075,10 +2090,23 @@ class DecodeLayers {
     }
   }
 
+  // The rows `kept` of x [B, cols], in their order, as x[kept].
+  template <typename T>
+  static at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& kept) {
+    const int64_t R = kept.size(0), cols = x.size(1);
+    at::Tensor out = at::empty({R, cols}, x.options());
+    const int64_t* kp = kept.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(out.data_ptr<T>() + r * cols, x.data_ptr<T>() + kp[r] * cols, cols * sizeof(T));
+    return out;
+  }
+
+  // `kept` (if any): the rows whose hidden states are returned; the last layer runs o_proj,
+  // its MLP and the final norm on them alone, as LlamaModel.forward's `rows`.
   template <typename T>
   at::Tensor run(const at::Tensor& ids, const at::Tensor& pos, const at::Tensor& loc,
                  const at::Tensor& kv_indices, const at::Tensor& lens, const int64_t* rows,
-                 const SharedPrefix& shared) const {
+                 const SharedPrefix& shared, const std::optional<at::Tensor>& kept) const {
     const int64_t B = ids.size(0), hidden = embed_.size(1), q_size = H_ * D_;
     const int64_t inter = layers_[0].gate_up.N / 2;
     const auto opt = embed_.options();
@@ -2104,9 +2132,17 @@ class DecodeLayers {
         std::memcpy(q.data_ptr<T>() + b * q_size, qkv.data_ptr<T>() + b * qkv.size(1),
                     q_size * sizeof(T));
       attention_dispatch<T>(q, l.k_pool, l.v_pool, kv_indices, rows, lens, attn, scale_, shared);
+      if (kept && i + 1 == layers_.size()) {  // the last layer past attention: those rows only
+        const int64_t R = kept->size(0);
+        attn_rows = gather_rows<T>(attn_rows, *kept);
+        residual = gather_rows<T>(residual, *kept);
+        x = at::empty({R, hidden}, opt);
+        gate_up = at::empty({R, 2 * inter}, opt);
+        act = at::empty({R, inter}, opt);
+      }
       linear<T>(l.o, attn_rows, x);
       add_rms_norm_impl<T>(x, &residual, l.post_norm, eps_);
-      if (takes_amx<T>(l.gate_up, B) && l.gate_up.amx_gated) {
+      if (takes_amx<T>(l.gate_up, x.size(0)) && l.gate_up.amx_gated) {
         amx_into(l.gate_up, x, act, true);  // the SiLU from the GEMM, as LlamaMLP takes it
       } else {
         linear<T>(l.gate_up, x, gate_up);
@@ -2462,5 +2498,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("out_cache_loc"), pybind11::arg("kv_indices"), pybind11::arg("seq_lens"),
            pybind11::arg("q_rows") = pybind11::none(), pybind11::arg("shared_prefix") = 0,
            pybind11::arg("shared_requests") = pybind11::none(),
+           pybind11::arg("logits_rows") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -134,19 +134,14 @@ class LlamaModel(nn.Module):
         `embed_tokens(fb.input_ids)` (a vision-language model's, with its image features in
         the placeholder rows)."""
         fused = self.fused_decode
-        fusable = fused is not None and input_embeds is None and fused.takes(fb, kv)
-        if fusable and fused.enabled:
-            hidden = fused.forward(fb)
-            return hidden if rows is None else hidden[rows]
-        # a batch the fused path takes keeps its arithmetic while it is off: every row to the end
-        pruned = None if fusable else rows
+        if fused is not None and input_embeds is None and fused.supports(fb, kv):
+            return fused.forward(fb, rows)
         x = self.embed_tokens(fb.input_ids) if input_embeds is None else input_embeds
         residual = None  # x: [T, hidden]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, fb, kv, pruned if i == last else None)
-        hidden = self.norm(x) if residual is None else self.norm(x, residual)[0]
-        return hidden if rows is None or pruned is not None else hidden[rows]
+            x, residual = layer(x, residual, fb, kv, rows if i == last else None)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -19,17 +19,20 @@ input embeddings) takes the per-op path.
 
 `max_rows` follows the linear layers. DecodeLayers calls whatever GEMM QuantLinear would call
 for the same rows:
-- the blocks, or (bfloat16 past 8 rows on AVX-512 VNNI CPUs) the blocks repacked for the
-  integer GEMM: any number of rows;
-- in bfloat16 on CPUs with AMX, the float copy's AMX copy from 17 rows on (a gate_up's giving
-  its SiLU): any number of rows too;
-- otherwise a float copy past 8 rows (float32, the K-quants, CPUs without VNNI) through
-  oneDNN's reordered weight (PackedLinear): at most its 64 rows.
+- the blocks, or (bfloat16 past 8 rows on AVX-512 VNNI CPUs without AMX) the blocks repacked
+  for the integer GEMM: any number of rows;
+- in bfloat16 on CPUs with AMX, where every decoder layer's float copy has its AMX copy, that
+  copy from 17 rows on (a gate_up's giving its SiLU): any number of rows too;
+- where some float copy has none (float32; bfloat16 past 8 rows on CPUs without VNNI or for
+  the K-quants, without AMX; SLUICE_AMX_LINEAR=0 or an input width that is not a multiple of
+  32), oneDNN's reordered weight (PackedLinear): at most its 64 rows.
 
 On the Xeon lscpu model 167 (bfloat16, SmolLM2-135M, on oneDNN) the fused path decoded 1293.9
 tok/s at 40 rows and 1756.1 at 64 against 1079.1 and 1466.7 layer by layer; on model 207, on
 the AMX copy, 1.21x at 96 rows, 1.15x at 128 and 0.99x at 192 (`benchmarks/decode_step.py
---rounds 3 --output-len 64 --batch-sizes 96,128,192`).
+--rounds 3 --output-len 64 --batch-sizes 96,128,192`), and, in-process, 0.947 and 0.944 of the
+per-op time on the extends of 32 fresh 20-token prompts (640 rows) and of 32 prompts' own 30
+tokens after a cached 450-token prefix (960 rows).
 
 SLUICE_FUSED_DECODE=0 turns it off at load; `enabled` turns it off in place
 (benchmarks/decode_step.py compares the two in one process).

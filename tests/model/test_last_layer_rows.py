@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sluice.model.forward_batch import ForwardMode
-from tests.model.test_fused_decode import _batch, _runner
+from tests.model.test_fused_decode import _batch, _runner, kernels  # noqa: F401 (autouse)
 
 
 def _mlp_rows(runner) -> list[int]:
@@ -60,6 +60,8 @@ def test_the_fused_path_runs_the_same_rows_to_the_end(tiny_llama_dir, dtype):
     logits still equal the per-op path's bit for bit; a row outside the step is refused."""
     runner = _runner(tiny_llama_dir, dtype, "int4")
     fused = runner.fused_decode
+    if fused is None:
+        pytest.skip("no fused decode here (see the load log)")
     fb = _batch(ForwardMode.EXTEND, [[101, 102, 103, 104], [201, 202]], [0, 0])
     assert fused.supports(fb, runner.kv) and fb.logits_index.tolist() == [3, 5]
     steps = fused.steps
@@ -74,3 +76,32 @@ def test_the_fused_path_runs_the_same_rows_to_the_end(tiny_llama_dir, dtype):
     fused.enabled = True
     with pytest.raises(RuntimeError, match="outside the step"):
         fused.forward(fb, torch.tensor([3, 6]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_a_chunk_whose_logits_nobody_wants_writes_its_kv_alone(tiny_llama_dir, dtype, quantization):
+    """A prompt's chunk before its last has no logits rows: both paths give no rows and write
+    every token's K/V, which the next chunk then reads as the unchunked prompt would have."""
+    tokens = list(range(100, 110))
+    want = None
+    for fused_on, chunked in ((True, False), (True, True), (False, True)):
+        runner = _runner(tiny_llama_dir, dtype, quantization)
+        fused = runner.fused_decode
+        if fused is not None:
+            fused.enabled = fused_on
+        if chunked:
+            first = _batch(ForwardMode.EXTEND, [tokens[:6]], [0])
+            first.logits_index = torch.zeros(0, dtype=torch.int64)
+            steps = 0 if fused is None else fused.steps
+            assert runner.forward(first).shape[0] == 0
+            if fused is not None and fused.supports(first, runner.kv):
+                assert fused.steps == steps + 1  # DecodeLayers took the chunk
+            logits = runner.forward(_batch(ForwardMode.EXTEND, [tokens[6:]], [6]))
+        else:
+            logits = runner.forward(_batch(ForwardMode.EXTEND, [tokens], [0]))
+        if want is None:
+            want = logits
+        else:
+            tol = 1e-4 if dtype == torch.float32 else 0.05 * want.abs().max()
+            assert (logits - want).abs().max() <= tol

@@ -1812,9 +1812,10 @@ std::vector<int64_t> bind_compute_threads(const std::vector<int64_t>& cpus) {
 // `dense`), oneDNN's GEMM on it through the op PackedLinear calls (mkldnn::_linear_pointwise),
 // or, for bfloat16 batches of at least `amx_min_rows` where that copy has one laid out for the
 // AMX GEMM, amx_linear_impl (a gate_up's giving the SiLU, as LlamaMLP takes it), as
-// QuantLinear.forward picks. FusedDecode keeps batches within PackedLinear's rows. Given
-// `logits_rows`, the last layer runs o_proj, its MLP and the final norm on those rows alone and
-// only their hidden states are returned, as LlamaModel.forward's `rows` (every row's K/V written).
+// QuantLinear.forward picks. FusedDecode keeps batches within the rows of oneDNN's copy where
+// some layer's float copy has no AMX copy. Given `logits_rows`, the last layer runs o_proj, its
+// MLP and the final norm on those rows alone and only their hidden states are returned, as
+// LlamaModel.forward's `rows` (every row's K/V written; no rows: a prompt's chunk, K/V alone).
 // ---------------------------------------------------------------------------------------------
 using LinearRowsFn = void (*)(const void* x, bool x_bf16, const uint8_t* w, int64_t type,
                               bool int8_activations, const float* bias, void* y, int64_t M,
@@ -1975,8 +1976,7 @@ class DecodeLayers {
     if (logits_rows) {
       const at::Tensor& kept = *logits_rows;
       TORCH_CHECK(kept.device().is_cpu() && kept.is_contiguous() && kept.dim() == 1 &&
-                  kept.scalar_type() == at::kLong && kept.size(0) >= 1,
-                  "logits_rows: [R] contiguous int64, R >= 1");
+                  kept.scalar_type() == at::kLong, "logits_rows: [R] contiguous int64");
       const int64_t* kp = kept.data_ptr<int64_t>();
       for (int64_t r = 0; r < kept.size(0); ++r)
         TORCH_CHECK(kp[r] >= 0 && kp[r] < T, "logits_rows[", r, "] = ", kp[r],
@@ -2128,11 +2128,14 @@ class DecodeLayers {
       linear<T>(l.qkv, x, qkv);
       rope_impl<T>(qkv, pos, cos_, sin_, H_ + Hkv_, D_);
       write_kv<T>(qkv, loc, l);
+      const bool last = i + 1 == layers_.size();
+      if (last && kept && kept->size(0) == 0)  // a prompt's chunk: its K/V, no hidden states
+        return at::empty({0, hidden}, opt);
       for (int64_t b = 0; b < B; ++b)  // q's part of each row, as q.contiguous()
         std::memcpy(q.data_ptr<T>() + b * q_size, qkv.data_ptr<T>() + b * qkv.size(1),
                     q_size * sizeof(T));
       attention_dispatch<T>(q, l.k_pool, l.v_pool, kv_indices, rows, lens, attn, scale_, shared);
-      if (kept && i + 1 == layers_.size()) {  // the last layer past attention: those rows only
+      if (last && kept) {  // the last layer past attention: those rows only
         const int64_t R = kept->size(0);
         attn_rows = gather_rows<T>(attn_rows, *kept);
         residual = gather_rows<T>(residual, *kept);

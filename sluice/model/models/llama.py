@@ -130,9 +130,9 @@ class LlamaModel(nn.Module):
         """The final-norm hidden states [T, hidden], or [len(rows), hidden]: those rows' only.
         The last layer then runs its o_proj and MLP on those rows alone (a prompt's other rows
         only need their K/V, which every layer writes): SmolLM2-135M's prefill does about 1/36
-        fewer GEMM FLOPs. No rows (a prompt's chunk before its last): the K/V alone. `input_embeds` [T, hidden]: the inputs in place of
-        `embed_tokens(fb.input_ids)` (a vision-language model's, with its image features in
-        the placeholder rows)."""
+        fewer GEMM FLOPs. No rows (a prompt's chunk before its last): the K/V and no hidden
+        states. `input_embeds` [T, hidden]: the inputs in place of `embed_tokens(fb.input_ids)`
+        (a vision-language model's, with its image features in the placeholder rows)."""
         fused = self.fused_decode
         if fused is not None and input_embeds is None and fused.supports(fb, kv):
             return fused.forward(fb, rows)

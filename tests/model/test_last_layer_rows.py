@@ -94,9 +94,12 @@ def test_a_chunk_whose_logits_nobody_wants_writes_its_kv_alone(tiny_llama_dir, d
             first = _batch(ForwardMode.EXTEND, [tokens[:6]], [0])
             first.logits_index = torch.zeros(0, dtype=torch.int64)
             steps = 0 if fused is None else fused.steps
+            seen = _mlp_rows(runner)
             assert runner.forward(first).shape[0] == 0
-            if fused is not None and fused.supports(first, runner.kv):
-                assert fused.steps == steps + 1  # DecodeLayers took the chunk
+            if quantization == "int4" and fused_on:  # DecodeLayers took the chunk
+                assert fused is not None and fused.steps == steps + 1
+            else:  # the per-op path: its last layer's MLP saw no rows
+                assert seen == [6] * (len(runner.model.model.layers) - 1) + [0]
             logits = runner.forward(_batch(ForwardMode.EXTEND, [tokens[6:]], [6]))
         else:
             logits = runner.forward(_batch(ForwardMode.EXTEND, [tokens], [0]))

@@ -181,14 +181,17 @@ def _max_rows(stack: LlamaModel) -> int:
     return rows
 
 
+def _amx_min_rows(module: QuantLinear) -> int:
+    """The rows from which the layer's bfloat16 batches take its float copy's AMX copy (if it
+    has one), in QuantLinear.forward and in DecodeLayers alike."""
+    return max(PackedLinear.AMX_MIN_ROWS, module.dense_min_rows)
+
+
 def _amx_takes_the_rest(module: QuantLinear) -> bool:
-    """Whether every batch past oneDNN's rows takes the layer's float copy's AMX copy, in both
-    paths: bfloat16 from `_block_args`' amx_min_rows on, within PACKED_MAX_ROWS."""
+    """Whether every batch past oneDNN's rows takes the layer's float copy's AMX copy (which
+    only bfloat16 weights have), in both paths."""
     dense = module.dense
-    return (
-        dense.amx is not None and dense.dtype == torch.bfloat16
-        and max(PackedLinear.AMX_MIN_ROWS, module.dense_min_rows) <= dense.PACKED_MAX_ROWS
-    )  # fmt: skip
+    return dense.amx is not None and _amx_min_rows(module) <= dense.PACKED_MAX_ROWS
 
 
 def _block_args(module: QuantLinear) -> tuple:
@@ -200,9 +203,8 @@ def _block_args(module: QuantLinear) -> tuple:
     dense = module.dense.packed if isinstance(module.dense, PackedLinear) else None
     amx = getattr(module.dense, "amx", None)
     gated = amx is not None and module.dense.amx_gated
-    amx_min_rows = max(PackedLinear.AMX_MIN_ROWS, module.dense_min_rows)
     return (
         module.qweight, module.kernel_type, module.in_features, module.int8_activations,
         module.packed, module.packed_min_rows, dense, module.dense_min_rows, amx, gated,
-        amx_min_rows,
+        _amx_min_rows(module),
     )  # fmt: skip

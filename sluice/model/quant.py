@@ -278,13 +278,13 @@ def keep_dense_copies(model: nn.Module, dtype: torch.dtype) -> int:
         copies = (module.packed, getattr(dense, "weight", None), getattr(dense, "amx", None))
         for copy in copies:
             total += 0 if copy is None else copy.numel() * copy.element_size()
-        if getattr(dense, "packed", None) is not None:  # oneDNN's copy: opaque, the weight's size
+        onednn = isinstance(dense, PackedLinear) and dense.packed is not None
+        if onednn:  # oneDNN's reordered copy: opaque, the weight's size
             total += module.in_features * module.out_features * dtype.itemsize
         shape = (module.in_features, module.out_features, module.bias is not None)
-        onednn = isinstance(module.dense, PackedLinear) and module.dense.packed is not None
         if onednn and shape not in warmed:
             warmed.add(shape)
-            module.dense.warm_onednn(module.dense_min_rows)
+            dense.warm_onednn(module.dense_min_rows)
     packed = [m for m in modules if m.packed is not None]
     float_copy = str(dtype).removeprefix("torch.") + " copy"
     if not packed:

@@ -7,10 +7,15 @@ stores and gathers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
 class KVCache:
+    # sluice's CPU kernels, for `write` (the runner's, set at load); None: PyTorch's index_copy_
+    cpu_ops: Any | None = None
+
     def __init__(
         self,
         size: int,
@@ -42,7 +47,10 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # loc: [T], k/v: [T, Hkv, D]
+        # loc: [T], k/v: [T, Hkv, D] (views of the qkv projection, rows at its stride)
+        if self.cpu_ops is not None:
+            self.cpu_ops.store_kv_(self.k[layer], self.v[layer], loc, k, v)
+            return
         self.k[layer].index_copy_(0, loc, k)
         self.v[layer].index_copy_(0, loc, v)
 

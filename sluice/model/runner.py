@@ -91,8 +91,10 @@ class ModelRunner:
             kv_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
         self.fused_decode = install_fused_decode(self.model, self.kv)  # None: per-op path only
-        # the sampler's grammar masks (sluice.model.sampler) on float32 logits, whatever the dtype
+        # the sampler's grammar masks (sluice.model.sampler) on float32 logits, whatever the
+        # dtype; and the per-op path's K/V writes (a copy of rows, in any dtype)
         self.cpu_ops = _sampler_kernels(device)
+        self.kv.cpu_ops = self.cpu_ops
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, float_logits: bool = True) -> torch.Tensor:

@@ -411,6 +411,36 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops, dtype, atol) -> None:
         ops.rope_(qkv, torch.full((11,), 2048), rope.cos, rope.sin, heads + kv_heads, d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 300, 1000])  # 1000: past one 256-row chunk a thread
+def test_store_kv_writes_the_rows_index_copy_writes(native_ops, threads, dtype, rows) -> None:
+    """K and V as the qkv projection's views (row stride 960, not 192) land where index_copy_
+    puts them, bit for bit, and nothing else in the pools moves."""
+    heads, kv_heads, d, slots = 9, 3, 64, 2048
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    k, v = (t.view(rows, kv_heads, d) for t in qkv[:, heads * d :].chunk(2, dim=-1))
+    loc = torch.randperm(slots, generator=gen)[:rows]
+    pools = [torch.randn(slots, kv_heads, d, generator=gen).to(dtype) for _ in range(2)]
+    want = [p.clone().index_copy_(0, loc, x) for p, x in zip(pools, (k, v), strict=True)]
+    native_ops.store_kv_(pools[0], pools[1], loc, k, v)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+
+
+def test_store_kv_refuses_what_it_cannot_copy_whole(native_ops) -> None:
+    pools = [torch.zeros(16, 3, 64) for _ in range(2)]
+    k = torch.randn(4, 3, 64)
+    with pytest.raises(RuntimeError, match="slot 16 is outside the pool of 16"):
+        native_ops.store_kv_(pools[0], pools[1], torch.tensor([1, 2, 3, 16]), k, k)
+    with pytest.raises(RuntimeError, match="each row's values consecutive"):
+        native_ops.store_kv_(pools[0], pools[1], torch.arange(4), k.transpose(1, 2), k)
+    with pytest.raises(RuntimeError, match="in their pool's dtype"):
+        native_ops.store_kv_(pools[0], pools[1], torch.arange(4), k, k.bfloat16())
+    with pytest.raises(RuntimeError, match=r"loc: \[T\] contiguous int64"):
+        native_ops.store_kv_(pools[0], pools[1], torch.arange(4, dtype=torch.int32), k, k)
+    assert not pools[0].any() and not pools[1].any()
+
+
 @pytest.mark.parametrize(("dtype", "atol"), TOLERANCES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (16, 1536)])  # a tail past 8, 16 lanes
@@ -700,6 +730,7 @@ def test_runner_hands_the_kernels_to_every_layer(tiny_llama_dir: str, native_ops
     assert set(found) == {PagedAttention, RMSNorm, RotaryEmbedding, LlamaMLP, PackedLinear}
     assert all(o is native_ops for held in found.values() for o in held)
     assert runner.cpu_ops is native_ops  # the sampler's, for grammar masks
+    assert runner.kv.cpu_ops is native_ops  # the per-op path's K/V writes (store_kv_)
 
 
 def test_float16_on_cpu_keeps_the_pytorch_path(tiny_llama_dir: str) -> None:

@@ -216,11 +216,10 @@ class CpuKernelAttention:
         layer: AttentionLayer,
     ) -> torch.Tensor:
         k_pool, v_pool = kv.k[layer.layer_id], kv.v[layer.layer_id]  # [slots, Hkv, D]
-        qc = q.contiguous()
         if fb.mode == ForwardMode.DECODE:
             shared = self.shared_prefix(fb, q.dtype)
             out = self.ops.decode_attention(
-                qc, k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale, shared.slots,
+                q.contiguous(), k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale, shared.slots,
                 shared.requests,
             )  # fmt: skip  # [B, H, D]
         elif self._handed_on(fb, q.dtype, q.shape[-1]):
@@ -233,11 +232,11 @@ class CpuKernelAttention:
                 )
             if split is None:
                 out = self.ops.extend_attention(
-                    qc, k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens, layer.scale,
-                    shared.slots, shared.requests,
+                    q.contiguous(), k_pool, v_pool, fb.kv_indices, fb.q_rows, fb.q_seq_lens,
+                    layer.scale, shared.slots, shared.requests,
                 )  # fmt: skip  # [T, H, D]
-            else:
-                out = self._split_extend(qc, k, v, k_pool, v_pool, fb, split, shared, layer)
+            else:  # q as it comes (the qkv view): the AMX kernel reads its rows at their stride
+                out = self._split_extend(q, k, v, k_pool, v_pool, fb, split, shared, layer)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def _amx_dense(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -270,7 +269,7 @@ class CpuKernelAttention:
         return shared
 
     def _split_extend(self, q, k, v, k_pool, v_pool, fb, split, shared, layer) -> torch.Tensor:
-        out = torch.empty_like(q)  # [T, H, D]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous
         if self._amx_dense(
             q.dtype, q.shape[-1]
         ):  # every long request in one call, causal, on AMX tiles

@@ -314,11 +314,20 @@ def test_dense_attention_is_causal_over_each_long_requests_slots(
     want = _reference(q, k_pool, v_pool, indices[rows], q_lens.tolist(), scale)
     torch.testing.assert_close(out[:187].float(), want[:187], atol=2e-2, rtol=0)
     assert bool((out[187:] == 7.0).all())
+    # q as the qkv projection's view, its rows (heads + 2 kv_heads) * head_dim values apart
+    qkv = torch.zeros(len(rows), heads + 2 * kv_heads, head_dim, dtype=torch.bfloat16)
+    qkv[:, :heads] = q
+    strided = torch.full_like(q, 7.0)
+    ops.dense_attention_(strided, qkv[:, :heads], k_pool, v_pool, indices, spans, scale)
+    assert torch.equal(strided, out)
     for bad in ([3, 0, 1, 0], [0, 215, 10, 0], [1, 137, 50, 141], [0, 0, 0, 0]):
         with pytest.raises(RuntimeError, match="outside q or kv_indices"):
             ops.dense_attention_(out, q, k_pool, v_pool, indices, torch.tensor([bad]), scale)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.dense_attention_(out.float(), q.float(), k_pool, v_pool, indices, spans, scale)
+    with pytest.raises(RuntimeError, match="contiguous"):  # a head's values not consecutive
+        ops.dense_attention_(out, q.transpose(1, 2).contiguous().transpose(1, 2), k_pool,
+                             v_pool, indices, spans, scale)  # fmt: skip
     with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
         narrow = [t[..., :48].contiguous() for t in (out, q, k_pool, v_pool)]
         ops.dense_attention_(*narrow, indices, spans, scale)

@@ -863,13 +863,14 @@ void amx_prefix_attention(const at::BFloat16* q, const at::BFloat16* k_pool,
 // Requests of many new tokens each, attended on AMX tiles, causal: span s = spans[s] = (its row
 // b of kv_indices, its first query t0 in q, its n queries, its prefix p): query t0 + i sees the
 // first p + i + 1 slots of row b (its new tokens' K and V already in the pool). q, out [T, H, D]
-// bfloat16; writes those queries' rows of out.
+// bfloat16, q's rows q.stride(0) values apart; writes those queries' rows of out.
 template <int D>
 void amx_dense_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                          const at::Tensor& kv_indices, const at::Tensor& spans, double scale,
                          at::Tensor& out) {
   constexpr int NC = D / 32;
   const int64_t H = q.size(1), Hkv = k_pool.size(1), G = H / Hkv, row_len = Hkv * D;
+  const int64_t q_row = q.stride(0);  // a query's values apart: H * D, or the qkv view's width
   const int64_t S = spans.size(0), max_kv = kv_indices.size(1);
   const int64_t* sp = spans.data_ptr<int64_t>();
   const int64_t* idx = kv_indices.data_ptr<int64_t>();
@@ -916,7 +917,8 @@ void amx_dense_attention(const at::Tensor& q, const at::Tensor& k_pool, const at
       for (int64_t i = 0; i < 16; ++i) {  // row r: query r / G, head h G + r % G
         const int64_t r = qb * 16 + i, t = r / G, g = r % G;
         if (t < n) {
-          std::memcpy(rows + i * D, qp + ((t0 + t) * H + h * G + g) * D, D * sizeof(at::BFloat16));
+          std::memcpy(rows + i * D, qp + (t0 + t) * q_row + (h * G + g) * D,
+                      D * sizeof(at::BFloat16));
           lim[i] = p + t + 1;
         } else {
           std::memset(rows + i * D, 0, D * sizeof(at::BFloat16));
@@ -1586,15 +1588,17 @@ bool amx_attention() {
 // Requests of many new tokens each (a prefill's long prompts), causal, on AMX tiles: spans [S, 4]
 // int64, span s = (its row b of kv_indices [B, max_kv], its first query t0 in q, its n queries,
 // its prefix p): query t0 + i sees the first p + i + 1 slots of row b, whose new tokens' K and V
-// are in the pool already. q, out [T, H, D], pools [slots, Hkv, D], bfloat16, head_dim 64 or 128;
-// writes those queries' rows of out, the others untouched. Only where amx_attention().
+// are in the pool already. q, out [T, H, D] (q's rows at any stride, as the qkv projection's
+// view), pools [slots, Hkv, D], bfloat16, head_dim 64 or 128; writes those queries' rows of out,
+// the others untouched. Only where amx_attention().
 void dense_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_pool,
                       const at::Tensor& v_pool, const at::Tensor& kv_indices,
                       const at::Tensor& spans, double scale) {
   TORCH_CHECK(amx_attention(), "dense_attention_ needs AMX tiles (amx_attention())");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_pool, &v_pool})
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 3 &&
-                t->scalar_type() == at::kBFloat16, "dense_attention_: contiguous 3-D bfloat16 CPU tensors");
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->scalar_type() == at::kBFloat16 &&
+                (t == &q ? t->stride(2) == 1 && t->stride(1) == t->size(2) : t->is_contiguous()),
+                "dense_attention_: 3-D bfloat16 CPU tensors, contiguous (q's rows at any stride)");
   TORCH_CHECK(out.sizes() == q.sizes(), "out and q differ in shape");
   TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && q.size(2) == k_pool.size(2) &&
               q.size(1) % k_pool.size(1) == 0, "q and the pools do not match");

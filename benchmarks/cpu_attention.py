@@ -100,9 +100,11 @@ def main() -> None:
                 layers = [PagedAttention(i, HEADS, KV_HEADS, HEAD_DIM) for i in range(LAYERS)]
                 for layer in layers:
                     layer.cpu_ops = ops
+                kv.cpu_ops = ops  # the K/V writes, as the runner hands them out
                 kernel = time_step(layers, fb, kv, dtype)
                 for layer in layers:
                     layer.cpu_ops = None
+                kv.cpu_ops = None
                 pytorch = time_step(layers, fb, kv, dtype)
                 print(
                     f"{name:>9} {case:<16} sluice kernels {kernel:7.1f} ms   "

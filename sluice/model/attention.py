@@ -219,8 +219,8 @@ class CpuKernelAttention:
         if fb.mode == ForwardMode.DECODE:
             shared = self.shared_prefix(fb, q.dtype)
             out = self.ops.decode_attention(
-                q.contiguous(), k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale, shared.slots,
-                shared.requests,
+                q.contiguous(), k_pool, v_pool, fb.kv_indices, fb.seq_lens, layer.scale,
+                shared.slots, shared.requests,
             )  # fmt: skip  # [B, H, D]
         elif self._handed_on(fb, q.dtype, q.shape[-1]):
             return self._sdpa.forward(q, k, v, fb, kv, layer)

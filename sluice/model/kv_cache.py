@@ -47,7 +47,8 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # loc: [T], k/v: [T, Hkv, D] (views of the qkv projection, rows at its stride)
+        # loc: [T] int64, distinct slots; k/v: [T, Hkv, D], rows at any stride (the qkv
+        # projection's views); with `cpu_ops` (store_kv_) each row's Hkv * D values consecutive
         if self.cpu_ops is not None:
             self.cpu_ops.store_kv_(self.k[layer], self.v[layer], loc, k, v)
             return

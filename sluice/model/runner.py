@@ -93,7 +93,7 @@ class ModelRunner:
         self.fused_decode = install_fused_decode(self.model, self.kv)  # None: per-op path only
         # the sampler's grammar masks (sluice.model.sampler) on float32 logits, whatever the
         # dtype; and the per-op path's K/V writes (a copy of rows, in any dtype)
-        self.cpu_ops = _sampler_kernels(device)
+        self.cpu_ops = _cpu_kernels(device)
         self.kv.cpu_ops = self.cpu_ops
 
     @torch.inference_mode()
@@ -174,7 +174,9 @@ def load_model(
     return model
 
 
-def _sampler_kernels(device: torch.device) -> Any | None:
+def _cpu_kernels(device: torch.device) -> Any | None:
+    """The C++ kernels on the CPU, in any dtype (the sampler's masks and the K/V writes take
+    them whatever the model's dtype); None elsewhere or where they cannot be built."""
     if device.type != "cpu":
         return None
     from sluice.model.kernels import cpu_ops

@@ -168,8 +168,12 @@ def test_the_kernels_and_sdpa_agree_on_every_batch(monkeypatch, case, dtype, ato
     for t in kv.k + kv.v:
         t.copy_(torch.randn(t.shape, generator=gen))
     num_tokens = fb.input_ids.numel()
-    q = (torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen) * 3).to(dtype)
-    k, v = (torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in "kv")
+    # q, k and v as the model hands them over: views of one qkv projection's rows
+    widths = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+    qkv = torch.randn(num_tokens, sum(widths), generator=gen)
+    qkv[:, : widths[0]] *= 3
+    q, k, v = (t.view(num_tokens, -1, HEAD_DIM) for t in qkv.to(dtype).split(widths, dim=-1))
+    assert num_tokens == 1 or q.stride(0) == sum(widths)  # no backend may assume H * D
     layer = PagedAttention(1, HEADS, KV_HEADS, HEAD_DIM).layer
     kv.write(layer.layer_id, fb.out_cache_loc, k, v)
     with torch.inference_mode():

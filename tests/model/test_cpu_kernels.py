@@ -420,7 +420,7 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(ops, dtype, atol) -> None:
         ops.rope_(qkv, torch.full((11,), 2048), rope.cos, rope.sin, heads + kv_heads, d)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [0, 1, 300, 1000])  # 1000: past one 256-row chunk a thread
 def test_store_kv_writes_the_rows_index_copy_writes(native_ops, threads, dtype, rows) -> None:
     """K and V as the qkv projection's views (row stride 960, not 192) land where index_copy_
@@ -441,10 +441,13 @@ def test_store_kv_refuses_what_it_cannot_copy_whole(native_ops) -> None:
     k = torch.randn(4, 3, 64)
     with pytest.raises(RuntimeError, match="slot 16 is outside the pool of 16"):
         native_ops.store_kv_(pools[0], pools[1], torch.tensor([1, 2, 3, 16]), k, k)
-    with pytest.raises(RuntimeError, match="each row's values consecutive"):
-        native_ops.store_kv_(pools[0], pools[1], torch.arange(4), k.transpose(1, 2), k)
+    for bad in (k.transpose(1, 2).contiguous().transpose(1, 2), torch.randn(4, 3, 128)[..., :64]):
+        with pytest.raises(RuntimeError, match="each row's values consecutive"):
+            native_ops.store_kv_(pools[0], pools[1], torch.arange(4), bad, k)
     with pytest.raises(RuntimeError, match="in their pool's dtype"):
         native_ops.store_kv_(pools[0], pools[1], torch.arange(4), k, k.bfloat16())
+    with pytest.raises(RuntimeError, match="of one shape and dtype"):
+        native_ops.store_kv_(pools[0], pools[1].bfloat16(), torch.arange(4), k, k.bfloat16())
     with pytest.raises(RuntimeError, match=r"loc: \[T\] contiguous int64"):
         native_ops.store_kv_(pools[0], pools[1], torch.arange(4, dtype=torch.int32), k, k)
     assert not pools[0].any() and not pools[1].any()
@@ -748,6 +751,7 @@ def test_float16_on_cpu_keeps_the_pytorch_path(tiny_llama_dir: str) -> None:
     )
     found = _modules_with_ops(runner)
     assert found and all(o is None for held in found.values() for o in held)
+    assert runner.kv.cpu_ops is kernels.cpu_ops()  # a copy of rows, in any dtype (store_kv_)
 
 
 # ---- the build cache ------------------------------------------------------------------------

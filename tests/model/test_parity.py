@@ -37,6 +37,8 @@ class Driver:
         assert with_ops or not kernels or device != "cpu", "the C++ CPU kernels did not build"
         for module in with_ops:
             module.cpu_ops = module.cpu_ops if kernels else None
+        if not kernels:  # the K/V writes too: index_copy_
+            self.runner.kv.cpu_ops = None
         # slot bookkeeping stays on the CPU, as in the scheduler; ForwardBatch moves what the
         # model reads to the device
         self.alloc = TokenToKVPoolAllocator(4096)

@@ -9,9 +9,9 @@ shared_requests names, reads alike, attended all together; see cpu_ops.cpp) and 
 k_pool, v_pool, kv_indices, q_rows, q_lens, scale, shared_prefix=0, shared_requests=None)` (the
 same shared prefix, under each member request's new tokens) (for the head dims in its
 `attention_head_dims`), `dense_attention_(out, q, k_pool, v_pool, kv_indices, spans, scale)` (in
-place: an extend's long requests, causal, on AMX tiles; bfloat16, head_dim 64 or 128, only where
-`amx_attention()` is true: a build with AMX tiles, on a CPU whose kernel lets the process use
-them), a bfloat16 GEMM on AMX tiles where `amx_linear_ok()` (the same condition):
+place: an extend's long requests, causal, on AMX tiles; bfloat16, head_dim 64 or 128, q's rows
+at any stride, only where `amx_attention()` is true: a build with AMX tiles, on a CPU whose
+kernel lets the process use them), a bfloat16 GEMM on AMX tiles where `amx_linear_ok()` (the same condition):
 `amx_pack_linear(w)` lays out a weight once and `amx_linear(x, packed, N, bias=None,
 silu_mul=False)` computes x w^T + bias (with silu_mul, silu(gate) * up of a gate_up weight whose
 rows alternate 16 gate and 16 up rows), `rms_norm(x, weight, eps)`, `add_rms_norm_(x, residual, weight, eps)`,
@@ -24,7 +24,9 @@ and `grammar_mask_(logits, masks, rows=None)` (exact: the same tokens and values
 `sluice.model.sampler.grammar_bias`); `argmax_rows(logits)` for the greedy rows (the
 first index of the maximum, as torch.argmax for logits without NaN), `finite_rows(logits)`,
 and both in one pass, `greedy_rows(logits)` (the argmax, or -1 for a row with an infinity or
-NaN), on float32 or bfloat16 logits. `DecodeLayers`
+NaN), on float32 or bfloat16 logits. `store_kv_(k_pool, v_pool, loc, k, v)` writes a step's K
+and V rows (at any row stride) into the pools at slots `loc`, as index_copy_ does, in any dtype
+(KVCache.write). `DecodeLayers`
 runs a llama decoder stack with GGUF block weights over a decode step in one call
 (sluice.model.fused_decode), once `quant_ops()` has handed it its linear layers.
 

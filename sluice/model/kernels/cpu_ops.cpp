@@ -1597,7 +1597,8 @@ void dense_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK(amx_attention(), "dense_attention_ needs AMX tiles (amx_attention())");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_pool, &v_pool})
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->scalar_type() == at::kBFloat16 &&
-                (t == &q ? t->stride(2) == 1 && t->stride(1) == t->size(2) : t->is_contiguous()),
+                (t == &q ? t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) == t->size(2))
+                         : t->is_contiguous()),
                 "dense_attention_: 3-D bfloat16 CPU tensors, contiguous (q's rows at any stride)");
   TORCH_CHECK(out.sizes() == q.sizes(), "out and q differ in shape");
   TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && q.size(2) == k_pool.size(2) &&
@@ -1741,10 +1742,10 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 }
 
 // k and v [T, Hkv, D] (row stride free: the fused qkv projection's views; each row's Hkv * D
-// values consecutive) into the pools [slots, Hkv, D] at the slots loc [T] int64, as
-// k_pool.index_copy_(0, loc, k) and v's likewise: whole rows copied, on the threads. ATen's
-// index_copy_ walks such strided views a value at a time (1950 rows of SmolLM2: 435 µs a layer
-// on 2 threads of the Xeon model 207).
+// values consecutive) into the pools [slots, Hkv, D] (one dtype, any) at the slots loc [T]
+// int64, distinct (the allocator's), as k_pool.index_copy_(0, loc, k) and v's likewise: whole
+// rows copied, on the threads. ATen's index_copy_ walks such strided views a value at a time
+// (1950 rows of SmolLM2, K and V, 2 threads of the Xeon model 207: 262 µs a layer, this 48).
 void store_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& loc, const at::Tensor& k,
                const at::Tensor& v) {
   TORCH_CHECK(loc.device().is_cpu() && loc.is_contiguous() && loc.dim() == 1 &&
@@ -1752,8 +1753,9 @@ void store_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& loc, co
   const int64_t T = loc.size(0), slots = k_pool.size(0);
   for (const auto& [pool, x] : {std::pair{&k_pool, &k}, std::pair{&v_pool, &v}}) {
     TORCH_CHECK(pool->device().is_cpu() && x->device().is_cpu(), "CPU tensors only");
-    TORCH_CHECK(pool->dim() == 3 && pool->is_contiguous() && pool->sizes() == k_pool.sizes(),
-                "the pools: contiguous [slots, Hkv, D] of one shape");
+    TORCH_CHECK(pool->dim() == 3 && pool->is_contiguous() && pool->sizes() == k_pool.sizes() &&
+                pool->scalar_type() == k_pool.scalar_type(),
+                "the pools: contiguous [slots, Hkv, D] of one shape and dtype");
     TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == pool->size(1) &&
                 x->size(2) == pool->size(2) && x->stride(2) == 1 &&
                 (x->size(1) == 1 || x->stride(1) == x->size(2)),
@@ -1764,7 +1766,7 @@ void store_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& loc, co
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the pool of ",
                 slots);
-  const int64_t row = k_pool.stride(0) * k_pool.element_size();  // bytes of a slot
+  const int64_t row = k_pool.size(1) * k_pool.size(2) * k_pool.element_size();  // a slot's bytes
   auto* kp = static_cast<char*>(k_pool.data_ptr());
   auto* vp = static_cast<char*>(v_pool.data_ptr());
   const auto* ks = static_cast<const char*>(k.data_ptr());

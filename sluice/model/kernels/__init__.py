@@ -11,8 +11,8 @@ same shared prefix, under each member request's new tokens) (for the head dims i
 `attention_head_dims`), `dense_attention_(out, q, k_pool, v_pool, kv_indices, spans, scale)` (in
 place: an extend's long requests, causal, on AMX tiles; bfloat16, head_dim 64 or 128, q's rows
 at any stride, only where `amx_attention()` is true: a build with AMX tiles, on a CPU whose
-kernel lets the process use them), a bfloat16 GEMM on AMX tiles where `amx_linear_ok()` (the same condition):
-`amx_pack_linear(w)` lays out a weight once and `amx_linear(x, packed, N, bias=None,
+kernel lets the process use them), a bfloat16 GEMM on AMX tiles where `amx_linear_ok()` (the
+same condition): `amx_pack_linear(w)` lays out a weight once and `amx_linear(x, packed, N, bias=None,
 silu_mul=False)` computes x w^T + bias (with silu_mul, silu(gate) * up of a gate_up weight whose
 rows alternate 16 gate and 16 up rows), `rms_norm(x, weight, eps)`, `add_rms_norm_(x, residual, weight, eps)`,
 `silu_and_mul(x)`, `rope_(x, positions, cos, sin, heads, head_dim)` and `small_linear(x, w,

@@ -1741,6 +1741,18 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
   else rope_impl<at::BFloat16>(x, positions, cos, sin, heads, head_dim);
 }
 
+// Row t of K (at ks + t * k_step) and of V (vs + t * v_step), `row` bytes each, into slot
+// slot[t] of each pool, t < T, on the threads (inline up to 256 rows: a decode step's).
+inline void copy_kv_rows(char* kp, char* vp, const int64_t* slot, int64_t T, int64_t row,
+                         const char* ks, int64_t k_step, const char* vs, int64_t v_step) {
+  sluice::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kp + slot[t] * row, ks + t * k_step, row);
+      std::memcpy(vp + slot[t] * row, vs + t * v_step, row);
+    }
+  });
+}
+
 // k and v [T, Hkv, D] (row stride free: the fused qkv projection's views; each row's Hkv * D
 // values consecutive) into the pools [slots, Hkv, D] (one dtype, any) at the slots loc [T]
 // int64, distinct (the allocator's), as k_pool.index_copy_(0, loc, k) and v's likewise: whole
@@ -1766,18 +1778,10 @@ void store_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& loc, co
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the pool of ",
                 slots);
-  const int64_t row = k_pool.size(1) * k_pool.size(2) * k_pool.element_size();  // a slot's bytes
-  auto* kp = static_cast<char*>(k_pool.data_ptr());
-  auto* vp = static_cast<char*>(v_pool.data_ptr());
-  const auto* ks = static_cast<const char*>(k.data_ptr());
-  const auto* vs = static_cast<const char*>(v.data_ptr());
-  const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
-  sluice::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kp + slot[t] * row, ks + t * k_step, row);
-      std::memcpy(vp + slot[t] * row, vs + t * v_step, row);
-    }
-  });
+  const int64_t elem = k_pool.element_size();
+  copy_kv_rows(static_cast<char*>(k_pool.data_ptr()), static_cast<char*>(v_pool.data_ptr()), slot,
+               T, k_pool.size(1) * k_pool.size(2) * elem, static_cast<const char*>(k.data_ptr()),
+               k.stride(0) * elem, static_cast<const char*>(v.data_ptr()), v.stride(0) * elem);
 }
 
 // y = x w^T + bias: x [M, K] with M <= small_linear_max_rows, w [N, K], K a multiple of
@@ -2122,16 +2126,10 @@ class DecodeLayers {
   // This step's K and V rows (qkv's columns after q) into the layer's pool, as index_copy_.
   template <typename T>
   void write_kv(const at::Tensor& qkv, const at::Tensor& loc, const DecoderLayerWeights& l) const {
-    const int64_t B = qkv.size(0), row = Hkv_ * D_, q_size = H_ * D_;
-    const T* src = qkv.data_ptr<T>();
-    const int64_t* slot = loc.data_ptr<int64_t>();
-    T* k = l.k_pool.data_ptr<T>();
-    T* v = l.v_pool.data_ptr<T>();
-    for (int64_t b = 0; b < B; ++b) {
-      const T* r = src + b * qkv.size(1) + q_size;
-      std::memcpy(k + slot[b] * row, r, row * sizeof(T));
-      std::memcpy(v + slot[b] * row, r + row, row * sizeof(T));
-    }
+    const int64_t row = Hkv_ * D_ * sizeof(T), step = qkv.size(1) * sizeof(T);
+    const char* k = reinterpret_cast<const char*>(qkv.data_ptr<T>() + H_ * D_);
+    copy_kv_rows(static_cast<char*>(l.k_pool.data_ptr()), static_cast<char*>(l.v_pool.data_ptr()),
+                 loc.data_ptr<int64_t>(), qkv.size(0), row, k, step, k + row, step);
   }
 
   // The rows `kept` of x [B, cols], in their order, as x[kept].
